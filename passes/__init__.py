@@ -1,0 +1,95 @@
+"""zppc's graph passes: one function `(gm, ctx) -> gm` each, in one ordered list.
+
+`build_passes(config)` is the only place that decides which passes run and in
+which order; `run_passes` applies them to one graph, lints the graph after each
+pass, and records a snapshot and the op-count difference of every pass for
+`zppc.inspect` (and the log, with `Config(log_passes=True)`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import fx
+
+# Every pass zppc knows, in pipeline order. Config.disable_passes is checked
+# against this tuple, so it must not import anything heavy.
+PASS_NAMES = ("dedupe_unshard", "zero")
+
+log = logging.getLogger("zppc.passes")
+
+
+@dataclass(frozen=True)
+class GraphPass:
+    """A pass and the graphs it applies to ("dynamo", "forward", "backward")."""
+
+    name: str
+    fn: Callable[[fx.GraphModule, PassContext], fx.GraphModule]
+    graphs: tuple[str, ...]
+
+
+@dataclass
+class PassRecord:
+    """What one pass did to one graph."""
+
+    name: str
+    added: dict[str, int]
+    removed: dict[str, int]
+    code: str
+
+
+@dataclass
+class PassContext:
+    """What a pass may know: the config and which graph it is looking at."""
+
+    config: object
+    graph_kind: str
+    records: list[PassRecord] = field(default_factory=list)
+
+
+def build_passes(config) -> list[GraphPass]:
+    """The ordered pass list for `config`."""
+    from zppc.passes.dedupe import dedupe_unshard_pass
+    from zppc.passes.zero import zero_pass
+
+    passes = [
+        GraphPass("dedupe_unshard", dedupe_unshard_pass, ("dynamo",)),
+        GraphPass("zero", zero_pass, ("forward", "backward")),
+    ]
+    return [p for p in passes if p.name not in config.disable_passes]
+
+
+def lint(gm: fx.GraphModule, graph_kind: str) -> None:
+    """The invariants every pass must leave: a valid graph, fake values current."""
+    gm.graph.lint()
+    if graph_kind == "dynamo":
+        return
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "placeholder") and "val" not in node.meta:
+            raise AssertionError(f"node {node.name} ({node.target}) has no meta['val'] after a pass")
+
+
+def run_passes(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    from zppc.passes.graph_utils import op_census
+
+    if ctx.config.log_passes and not log.handlers:
+        log.addHandler(logging.StreamHandler())
+        log.setLevel(logging.INFO)
+
+    ctx.records.append(PassRecord("input", {}, {}, gm.code))
+    for p in build_passes(ctx.config):
+        if ctx.graph_kind not in p.graphs:
+            continue
+        before = op_census(gm.graph)
+        gm = p.fn(gm, ctx)
+        gm.graph.eliminate_dead_code()
+        lint(gm, ctx.graph_kind)
+        gm.recompile()
+        after = op_census(gm.graph)
+        record = PassRecord(p.name, dict(after - before), dict(before - after), gm.code)
+        ctx.records.append(record)
+        if ctx.config.log_passes:
+            log.info("zppc pass %s on %s graph: +%s -%s", p.name, ctx.graph_kind, record.added, record.removed)
+    return gm

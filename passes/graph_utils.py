@@ -1,0 +1,98 @@
+"""Small helpers shared by the passes: matching the IR ops, inserting nodes with
+current fake values, and summarizing what a pass changed."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from torch._guards import detect_fake_mode
+from torch.utils._pytree import tree_map_only
+
+import zppc.ir  # noqa: F401  (registers the ops matched below)
+
+UNSHARD = torch.ops.zppc.unshard.default
+REDUCE_GRAD = torch.ops.zppc.reduce_grad.default
+
+
+@dataclass(frozen=True)
+class UnshardMatch:
+    """One `zppc::unshard` node and its arguments."""
+
+    node: fx.Node
+    shard: fx.Node
+    shape: tuple[int, ...]
+    group_name: str
+    mode: str
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class ReduceGradMatch:
+    """One `zppc::reduce_grad` node and its arguments."""
+
+    node: fx.Node
+    grad: fx.Node
+    shard_numel: int
+    group_name: str
+    mode: str
+    reduce_dtype: torch.dtype | None
+    out_dtype: torch.dtype
+
+
+def find_unshards(graph: fx.Graph) -> list[UnshardMatch]:
+    return [
+        UnshardMatch(n, n.args[0], tuple(n.args[1]), *n.args[2:6])
+        for n in graph.find_nodes(op="call_function", target=UNSHARD)
+    ]
+
+
+def find_reduce_grads(graph: fx.Graph) -> list[ReduceGradMatch]:
+    return [
+        ReduceGradMatch(n, *n.args[:6]) for n in graph.find_nodes(op="call_function", target=REDUCE_GRAD)
+    ]
+
+
+def node_value(node: fx.Node):
+    return node.meta.get("val", node.meta.get("example_value"))
+
+
+class GraphBuilder:
+    """Inserts call_function nodes before an anchor, filling `meta["val"]` by
+    running each op on the fake values of its inputs."""
+
+    def __init__(self, gm: fx.GraphModule, anchor: fx.Node):
+        self.graph = gm.graph
+        self.anchor = anchor
+        vals = [node_value(n) for n in gm.graph.nodes]
+        self.fake_mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+
+    def call(self, target, *args, **kwargs) -> fx.Node:
+        with self.graph.inserting_before(self.anchor):
+            node = self.graph.call_function(target, args, kwargs)
+        fake_args, fake_kwargs = tree_map_only(fx.Node, node_value, (args, kwargs))
+        with self.fake_mode:
+            node.meta["val"] = target(*fake_args, **fake_kwargs)
+        if isinstance(self.anchor.meta.get("stack_trace"), str):
+            node.meta["stack_trace"] = self.anchor.meta["stack_trace"]
+        return node
+
+
+def replace_node(old: fx.Node, new: fx.Node) -> None:
+    old.replace_all_uses_with(new)
+    old.graph.erase_node(old)
+
+
+def op_census(graph: fx.Graph) -> Counter:
+    """How many nodes call each target: the basis of pass-change logs."""
+    return Counter(
+        getattr(n.target, "__name__", str(n.target)) for n in graph.nodes if n.op == "call_function"
+    )

@@ -1,0 +1,94 @@
+"""zppc's partition function: split the joint graph so ZeRO-3 keeps its promise.
+
+The stock partitioners save a gathered weight for backward (the default one) or
+merge duplicate gathers back together with CSE (min-cut). Under zero3 the
+forward must save no full weight: before the default partition runs, every
+backward use of a zero3 `unshard` (directly, or through view ops such as the
+transpose a linear layer's backward needs) is rewired to a fresh copy of that
+chain. The copy depends only on the shard, a graph input, so the partition puts
+it in the backward graph and saves the shard instead: the backward re-gathers.
+zero1 / zero2 / ddp keep the gathered weight for backward (that is the
+difference between zero2 and zero3).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+from torch._functorch.partitioners import default_partition
+
+from zppc.passes.graph_utils import UNSHARD
+
+aten = torch.ops.aten
+VIEW_OPS = {
+    aten.t.default,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.permute.default,
+    aten.transpose.int,
+    aten.expand.default,
+    aten.alias.default,
+    aten.slice.Tensor,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+}
+
+
+def forward_nodes(joint: fx.Graph, num_fwd_outputs: int) -> set[fx.Node]:
+    """Nodes the forward outputs depend on."""
+    outputs = joint.find_nodes(op="output")[0].args[0][:num_fwd_outputs]
+    seen: set[fx.Node] = set()
+    stack = [n for n in outputs if isinstance(n, fx.Node)]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(node.all_input_nodes)
+    return seen
+
+
+def _regathers(node: fx.Node) -> bool:
+    """Whether `node` is a zero3 gather, or a view chain over one."""
+    if node.op != "call_function":
+        return False
+    if node.target == UNSHARD:
+        return node.args[3] == "zero3"
+    return node.target in VIEW_OPS and _regathers(node.args[0])
+
+
+def regather_in_backward(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
+    """Give backward users their own copies of zero3 gathers; returns how many."""
+    graph = joint.graph
+    fwd = forward_nodes(graph, num_fwd_outputs)
+    copies: dict[fx.Node, fx.Node] = {}
+
+    def copy_chain(node: fx.Node, before: fx.Node) -> fx.Node:
+        if node not in copies:
+            args = list(node.args)
+            if node.target != UNSHARD:
+                args[0] = copy_chain(node.args[0], before)
+            with graph.inserting_before(before):
+                new = graph.call_function(node.target, tuple(args), dict(node.kwargs))
+            new.meta = {**node.meta, "partitioner_tag": "is_backward"}
+            copies[node] = new
+        return copies[node]
+
+    for node in list(graph.nodes):
+        if node in fwd or node.op != "call_function":
+            continue
+        for inp in node.all_input_nodes:
+            if inp in fwd and _regathers(inp):
+                node.replace_input_with(inp, copy_chain(inp, node))
+    graph.lint()
+    return sum(1 for n in copies if n.target == UNSHARD)
+
+
+def zppc_partition(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
+    regather_in_backward(joint, num_fwd_outputs)
+    return default_partition(
+        joint,
+        joint_inputs,
+        num_fwd_outputs=num_fwd_outputs,
+        static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"),
+    )

@@ -1,0 +1,106 @@
+"""The `zero` pass: lower the IR to concrete collectives.
+
+Requires: aot forward or backward graph holding `zppc::unshard` /
+`zppc::reduce_grad` nodes (partitioned by `zppc_partition`, so that under zero3
+the backward graph re-gathers instead of loading saved full weights).
+
+Guarantees: no IR op is left; each becomes functional collectives followed by
+their wait and a `zppc::record_comm` ledger hook:
+
+- unshard, zero*: cast to param_dtype, all-gather of the flat shard, drop the
+  padding, view as the parameter's shape. ddp: the parameter itself.
+- reduce_grad, zero2/zero3: flatten, pad, reduce-scatter(sum), divide by world.
+  zero1: all-reduce(sum) of the padded flat gradient, then this rank's slice.
+  ddp: all-reduce(sum), divide by world.
+
+Numerics: identical to the eager IR ops (same collectives, same order of
+operations), so compiled results equal eager ones up to reduction order.
+Must run first among the lowering passes (qwz, bucket, ... rewrite its output).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from zppc.passes.graph_utils import (
+    GraphBuilder,
+    ReduceGradMatch,
+    UnshardMatch,
+    find_reduce_grads,
+    find_unshards,
+    replace_node,
+)
+from zppc.runtime.topology import group_size
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+zppc_ops = torch.ops.zppc
+
+
+def zero_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    for match in find_unshards(gm.graph):
+        replace_node(match.node, lower_unshard(gm, match))
+    for match in find_reduce_grads(gm.graph):
+        replace_node(match.node, lower_reduce_grad(gm, match))
+    return gm
+
+
+def cast(b: GraphBuilder, node: fx.Node, dtype: torch.dtype | None) -> fx.Node:
+    if dtype is None or node.meta["val"].dtype == dtype:
+        return node
+    return b.call(torch.ops.prims.convert_element_type.default, node, dtype)
+
+
+def collective(b: GraphBuilder, kind: str, group_name: str, op, *args) -> fx.Node:
+    """Issue a functional collective, wait for it, and report it to the ledger."""
+    out = b.call(c10d.wait_tensor.default, b.call(op, *args))
+    b.call(zppc_ops.record_comm.default, out, kind, group_name)
+    return out
+
+
+def all_gather(b: GraphBuilder, flat: fx.Node, group_name: str) -> fx.Node:
+    world = group_size(group_name)
+    return collective(b, "all_gather", group_name, c10d.all_gather_into_tensor.default, flat, world, group_name)
+
+
+def unpad_to_shape(b: GraphBuilder, flat: fx.Node, shape: tuple[int, ...], numel: int) -> fx.Node:
+    if flat.meta["val"].numel() != numel:
+        flat = b.call(aten.slice.Tensor, flat, 0, 0, numel)
+    return b.call(aten.view.default, flat, list(shape))
+
+
+def lower_unshard(gm: fx.GraphModule, m: UnshardMatch) -> fx.Node:
+    b = GraphBuilder(gm, m.node)
+    local = cast(b, m.shard, m.param_dtype)
+    if m.mode == "ddp":
+        return local if local is not m.shard else b.call(aten.alias.default, local)
+    gathered = all_gather(b, local, m.group_name)
+    return unpad_to_shape(b, gathered, m.shape, m.numel)
+
+
+def flatten_padded(b: GraphBuilder, grad: fx.Node, total: int) -> fx.Node:
+    if not grad.meta["val"].is_contiguous():
+        grad = b.call(aten.clone.default, grad, memory_format=torch.contiguous_format)
+    flat = b.call(aten.view.default, grad, [-1])
+    missing = total - flat.meta["val"].numel()
+    return b.call(aten.constant_pad_nd.default, flat, [0, missing], 0.0) if missing else flat
+
+
+def lower_reduce_grad(gm: fx.GraphModule, m: ReduceGradMatch) -> fx.Node:
+    b = GraphBuilder(gm, m.node)
+    world = group_size(m.group_name)
+    grad = cast(b, m.grad, m.reduce_dtype)
+    if m.mode == "ddp":
+        total = collective(b, "all_reduce", m.group_name, c10d.all_reduce.default, grad, "sum", m.group_name)
+    else:
+        flat = flatten_padded(b, grad, m.shard_numel * world)
+        if m.mode == "zero1":
+            reduced = collective(b, "all_reduce", m.group_name, c10d.all_reduce.default, flat, "sum", m.group_name)
+            total = b.call(zppc_ops.take_shard.default, reduced, m.group_name)
+        else:
+            total = collective(
+                b, "reduce_scatter", m.group_name, c10d.reduce_scatter_tensor.default, flat, "sum", world, m.group_name
+            )
+    averaged = b.call(aten.div.Tensor, total, world)
+    return cast(b, averaged, m.out_dtype)

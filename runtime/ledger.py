@@ -1,0 +1,89 @@
+"""The communication ledger: bytes this rank received, by collective kind and link.
+
+Every collective zppc runs, eager or inside a compiled graph, reports here as it
+executes (never from a plan), so the ledger shows what really ran. For each
+collective we count the logical bytes this rank receives from each other rank:
+
+- all-gather: each peer's shard;
+- reduce-scatter: each peer's contribution to my shard;
+- all-to-all: each peer's chunk;
+- all-reduce: a reduce-scatter plus an all-gather (2 chunks of size/world per peer);
+- send/recv: the tensor.
+
+A peer on my node adds to `intra_node_bytes`, any other to `inter_node_bytes`.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from zppc.runtime.topology import current_topology, group_ranks
+
+
+@dataclass
+class CommStats:
+    """Bytes received by this rank since the last reset."""
+
+    intra_node_bytes: int = 0
+    inter_node_bytes: int = 0
+    by_kind: dict[str, int] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.intra_node_bytes + self.inter_node_bytes
+
+    def as_dict(self) -> dict:
+        return {
+            "intra_node_bytes": self.intra_node_bytes,
+            "inter_node_bytes": self.inter_node_bytes,
+            "total_bytes": self.total_bytes,
+            "by_kind": dict(self.by_kind),
+            "calls": dict(self.calls),
+        }
+
+    def copy(self) -> CommStats:
+        return CommStats(self.intra_node_bytes, self.inter_node_bytes, dict(self.by_kind), dict(self.calls))
+
+
+_LOCK = threading.Lock()
+_STATS = CommStats()
+
+
+def comm_stats() -> CommStats:
+    """A snapshot of the bytes this rank received since the last reset."""
+    with _LOCK:
+        return _STATS.copy()
+
+
+def reset_comm_stats() -> None:
+    global _STATS
+    with _LOCK:
+        _STATS = CommStats()
+
+
+@lru_cache(maxsize=None)
+def peer_split(group_name: str, my_rank: int, node_size: int) -> tuple[int, int]:
+    """(peers on my node, peers on other nodes) in a group."""
+    ranks = group_ranks(group_name)
+    peers = [r for r in ranks if r != my_rank]
+    intra = sum(1 for r in peers if r // node_size == my_rank // node_size)
+    return intra, len(peers) - intra
+
+
+def record(kind: str, group_name: str, bytes_per_peer: int) -> None:
+    """Count a collective in which every other rank of the group sent me `bytes_per_peer`."""
+    import torch.distributed as dist
+
+    topology = current_topology()
+    me = dist.get_rank()
+    node_size = topology.node_size if topology else dist.get_world_size()
+    intra_peers, inter_peers = peer_split(group_name, me, node_size)
+    intra, inter = intra_peers * bytes_per_peer, inter_peers * bytes_per_peer
+    with _LOCK:
+        _STATS.intra_node_bytes += intra
+        _STATS.inter_node_bytes += inter
+        _STATS.by_kind[kind] = _STATS.by_kind.get(kind, 0) + intra + inter
+        _STATS.calls[kind] = _STATS.calls.get(kind, 0) + 1

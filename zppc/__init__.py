@@ -1,0 +1,13 @@
+"""zppc: a torch.compile backend for ZeRO-3 / ZeRO++ training on slow networks.
+
+    model = zppc.distribute(model, zppc.Config(strategy="zero3"))
+    step = torch.compile(model, backend="zppc")
+"""
+
+from zppc.config import Config
+from zppc.distribute import distribute
+from zppc.inspect import inspect
+from zppc.runtime.ledger import CommStats, comm_stats, reset_comm_stats
+
+__all__ = ["CommStats", "Config", "comm_stats", "distribute", "inspect", "reset_comm_stats"]
+__version__ = "0.1.0"

@@ -1,0 +1,139 @@
+"""The `zppc` torch.compile backend.
+
+dynamo graph -> dynamo passes -> aot_autograd (joint graph, zppc_partition) ->
+forward / backward passes -> Inductor (`lowering="inductor"`) or op-by-op
+execution (`lowering="eager"`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+import zppc.ir  # noqa: F401
+from zppc.config import Config
+from zppc.distribute import DistributedState, state_of_shard
+from zppc.passes import PassContext, run_passes
+from zppc.passes.partition import zppc_partition
+from zppc.schedule import CompileRecord, register_compile
+
+# Fields baked into the shards by `distribute`; options cannot change them later.
+FIXED_AT_DISTRIBUTE = ("strategy", "node_size", "param_dtype", "reduce_dtype")
+
+
+def zppc_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | None = None, **kwargs):
+    """Entry point of `torch.compile(model, backend="zppc", options={...})`."""
+    options = dict(options or {})
+    state = _find_state(example_inputs)
+    if state is not None:
+        fixed = sorted(k for k in options if k in FIXED_AT_DISTRIBUTE and options[k] != getattr(state.config, k))
+        if fixed:
+            raise ValueError(f"options cannot change {fixed} of a model already passed to zppc.distribute")
+        config = state.config.replace(**options)
+    elif dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        config = Config(**{"strategy": "ddp", **options})
+        if config.strategy != "ddp":
+            raise ValueError(
+                f"strategy={config.strategy!r} needs zppc.distribute(model, config) before torch.compile; "
+                f"an undistributed model can only be compiled as 'ddp'"
+            )
+        _wrap_parameters_for_ddp(gm, example_inputs, config)
+    else:
+        config = Config(**options) if options else Config()
+        return _lower_plain(gm, example_inputs, config)
+    return compile_distributed(gm, example_inputs, config, state)
+
+
+def _find_state(example_inputs: Sequence[Any]) -> DistributedState | None:
+    states = {id(s): s for s in map(state_of_shard, example_inputs) if s is not None}
+    if len(states) > 1:
+        raise ValueError("one compiled graph uses parameters of two models passed to zppc.distribute")
+    return next(iter(states.values()), None)
+
+
+def compile_distributed(gm, example_inputs, config: Config, state: DistributedState | None):
+    record = CompileRecord(config=config)
+    register_compile(record, state)
+    gm = run_passes(gm, PassContext(config, "dynamo", record.passes["dynamo"]))
+
+    def passes_then(lower):
+        def compiler(graph: fx.GraphModule, inputs, **kw):
+            kind = "backward" if kw.get("is_backward") else "forward"
+            graph = run_passes(graph, PassContext(config, kind, record.passes[kind]))
+            record.final[kind] = graph
+            return lower(graph, inputs, **kw)
+
+        return compiler
+
+    if config.lowering == "eager":
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.aot_autograd import make_boxed_func
+
+        def boxed(graph, inputs, **kw):
+            return make_boxed_func(graph.forward)
+
+        fw = passes_then(boxed)
+        bw = passes_then(lambda g, i, **kw: boxed(g, i))
+        return aot_autograd(
+            fw_compiler=fw,
+            bw_compiler=lambda g, i: bw(g, i, is_backward=True),
+            partition_fn=zppc_partition,
+            keep_inference_input_mutations=True,
+        )(gm, example_inputs)
+
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    with (
+        inductor_config.patch(custom_partitioner_fn=_ZppcPartitioner(), fx_graph_cache=False),
+        functorch_config.patch(enable_autograd_cache=False),
+    ):
+        return compile_fx(gm, example_inputs, inner_compile=passes_then(compile_fx_inner))
+
+
+def _lower_plain(gm, example_inputs, config: Config):
+    """No process group: an ordinary single-device compile."""
+    if config.lowering == "eager":
+        from torch._dynamo.backends.debugging import aot_eager
+
+        return aot_eager(gm, example_inputs)
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs)
+
+
+def _wrap_parameters_for_ddp(gm: fx.GraphModule, example_inputs, config: Config) -> None:
+    """An undistributed model on several ranks: route each parameter through a
+    ddp `unshard` so its gradient is all-reduced, after broadcasting rank 0's
+    values (every rank compiles the same graphs in the same order)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    params = [(n, t) for n, t in zip(placeholders, example_inputs) if isinstance(t, nn.Parameter)]
+    with torch.no_grad():
+        for _, t in params:
+            dist.broadcast(t.data, src=0)
+    group_name = dist.group.WORLD.group_name
+    for node, t in params:
+        with gm.graph.inserting_after(node):
+            full = gm.graph.call_function(
+                torch.ops.zppc.unshard.default,
+                (node, list(t.shape), group_name, "ddp", config.param_dtype, config.reduce_dtype),
+            )
+        node.replace_all_uses_with(full, delete_user_cb=lambda user: user is not full)
+    gm.recompile()
+
+
+class _ZppcPartitioner(CustomPartitionerFn):
+    """zppc_partition in the form Inductor's config accepts."""
+
+    def __call__(self, gm, joint_inputs, **kwargs):
+        return zppc_partition(gm, joint_inputs, **kwargs)
+
+    def uuid(self):
+        return None  # never reuse cached code: the passes depend on the Config
+

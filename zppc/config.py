@@ -1,0 +1,150 @@
+"""`zppc.Config`: every choice zppc makes about one model, checked once, up front.
+
+All checks here are pure (no collective, no rank): every rank holds the same
+Config and therefore raises the same error at the same point, so a bad config
+can never leave some ranks waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "rtp")
+QWZ_FORMATS = (None, "int8", "int4")
+QGZ_FORMATS = (None, "int4", "int8")
+LOWERINGS = ("inductor", "eager")
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Features that are part of the contract but not built yet. Asking for one is an
+# error, never a silent no-op.
+NOT_YET_BUILT = {
+    "hpz": "hpZ secondary partition",
+    "qgz": "qgZ quantized gradient all-to-all",
+    "osp": "OSP two-stage gradient synchronization",
+    "rtp": "RTP rotated weight shards",
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    """How `zppc.distribute` shards a model and which passes the backend runs."""
+
+    strategy: str = "zero3"
+    """"ddp" replicates weights and all-reduces gradients; "zero1"/"zero2" keep
+    optimizer state (and, for zero2, gradients) sharded and keep the gathered
+    weight for backward; "zero3" also re-gathers weights in backward so no full
+    weight outlives its use; "rtp" rotates weight shards around a ring."""
+
+    qwz: str | None = None
+    """Quantized forward weight all-gather (ZeRO++ qwZ): None, "int8" or "int4"."""
+
+    qwz_block: int = 2048
+    """Elements per quantization block of qwZ (one fp32 scale each)."""
+
+    hpz: bool = False
+    """Keep a secondary shard over the node after the forward gather so that the
+    backward gathers only inside the node (ZeRO++ hpZ)."""
+
+    qgz: str | None = None
+    """Quantized two-hop gradient all-to-all (ZeRO++ qgZ): None, "int4" or "int8"."""
+
+    qgz_block: int = 2048
+    """Elements per quantization block of qgZ."""
+
+    osp: float | None = None
+    """OSP: the fraction of gradient bytes deferred to stage 2, in (0, 1)."""
+
+    node_size: int | None = None
+    """Ranks per node. None: the LOCAL_WORLD_SIZE environment variable, or the
+    whole world when it is unset (one node)."""
+
+    bucket_bytes: int = 25 * 2**20
+    """Collectives smaller than this are coalesced into flat buckets."""
+
+    lowering: str = "inductor"
+    """"inductor" generates code with Inductor; "eager" runs the same passes and
+    executes the graphs op by op (aot_eager), for fast tests."""
+
+    param_dtype: torch.dtype | None = None
+    """dtype the weights are gathered and computed in (mixed precision). None:
+    the parameter's own dtype."""
+
+    reduce_dtype: torch.dtype | None = None
+    """dtype gradients are reduced in. None: the gradient's own dtype."""
+
+    disable_passes: tuple[str, ...] = ()
+    """Names of passes to skip (see `zppc.passes.PASS_NAMES`)."""
+
+    log_passes: bool = False
+    """Log, for every pass, the ops it added and removed."""
+
+    def __post_init__(self) -> None:
+        _check_choice("strategy", self.strategy, STRATEGIES)
+        _check_choice("qwz", self.qwz, QWZ_FORMATS)
+        _check_choice("qgz", self.qgz, QGZ_FORMATS)
+        _check_choice("lowering", self.lowering, LOWERINGS)
+        for name in ("qwz_block", "qgz_block", "bucket_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(self.hpz, bool):
+            raise ValueError(f"hpz must be True or False, got {self.hpz!r}")
+        if self.node_size is not None and (
+            isinstance(self.node_size, bool) or not isinstance(self.node_size, int) or self.node_size <= 0
+        ):
+            raise ValueError(f"node_size must be a positive int or None, got {self.node_size!r}")
+        if self.osp is not None and not (
+            isinstance(self.osp, (int, float)) and not isinstance(self.osp, bool) and 0.0 < self.osp < 1.0
+        ):
+            raise ValueError(f"osp must be None or a fraction in (0, 1), got {self.osp!r}")
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in FLOAT_DTYPES:
+                raise ValueError(f"{name} must be one of {FLOAT_DTYPES} or None, got {value!r}")
+        if not isinstance(self.disable_passes, (tuple, list)):
+            raise ValueError(f"disable_passes must be a tuple of pass names, got {self.disable_passes!r}")
+        from zppc.passes import PASS_NAMES
+
+        unknown = sorted(set(self.disable_passes) - set(PASS_NAMES))
+        if unknown:
+            raise ValueError(f"disable_passes names unknown passes {unknown}; known: {list(PASS_NAMES)}")
+        object.__setattr__(self, "disable_passes", tuple(self.disable_passes))
+
+        sharded = ("zero1", "zero2", "zero3")
+        if self.qwz is not None and self.strategy not in sharded:
+            raise ValueError(f"qwz needs a sharded strategy {sharded}, got strategy={self.strategy!r}")
+        if self.hpz and self.strategy != "zero3":
+            raise ValueError(f"hpz needs strategy='zero3', got strategy={self.strategy!r}")
+        if self.qgz is not None and self.strategy not in ("zero2", "zero3"):
+            raise ValueError(
+                f"qgz replaces the gradient reduce-scatter and needs strategy 'zero2' or 'zero3', "
+                f"got strategy={self.strategy!r}"
+            )
+        if self.strategy == "rtp" and (self.qwz or self.hpz or self.qgz):
+            raise ValueError("strategy='rtp' does not combine with qwz, hpz or qgz")
+
+        for name, what in NOT_YET_BUILT.items():
+            asked = self.strategy == "rtp" if name == "rtp" else getattr(self, name) not in (None, False)
+            if asked:
+                raise NotImplementedError(f"zppc: {name} ({what}) is not implemented yet")
+
+    def replace(self, **overrides: Any) -> Config:
+        """A copy with some fields changed (checked again)."""
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise ValueError(f"unknown zppc.Config fields {unknown}")
+        return dataclasses.replace(self, **overrides)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether parameters are stored as flat 1/world shards."""
+        return self.strategy in ("zero1", "zero2", "zero3")
+
+
+def _check_choice(name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")

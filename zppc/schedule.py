@@ -1,0 +1,88 @@
+"""The communication schedule: which collectives a compiled step runs, read off
+the final graphs, with the bytes each moves per rank. `zppc.inspect` shows it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import fx
+
+from zppc.runtime.collectives import bytes_per_peer
+from zppc.runtime.ledger import peer_split
+from zppc.runtime.topology import current_topology, group_ranks
+
+
+@dataclass(frozen=True)
+class ScheduledCollective:
+    """One collective in a graph, as this rank sees it."""
+
+    graph: str
+    index: int
+    kind: str
+    group_name: str
+    group_size: int
+    bytes_per_peer: int
+    intra_node_bytes: int
+    inter_node_bytes: int
+
+
+@dataclass
+class CompileRecord:
+    """Everything zppc produced for one dynamo graph."""
+
+    config: object
+    passes: dict[str, list] = field(default_factory=lambda: {"dynamo": [], "forward": [], "backward": []})
+    final: dict[str, fx.GraphModule] = field(default_factory=dict)
+
+    def schedule(self, rank: int | None = None) -> list[ScheduledCollective]:
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if rank is None else rank
+        out: list[ScheduledCollective] = []
+        for kind in ("forward", "backward"):
+            if kind in self.final:
+                out.extend(graph_schedule(self.final[kind], kind, rank))
+        return out
+
+
+def graph_schedule(gm: fx.GraphModule, graph: str, rank: int) -> list[ScheduledCollective]:
+    """The collectives of one graph in program order (one per ledger hook)."""
+    import torch
+
+    topology = current_topology()
+    result = []
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.zppc.record_comm.default):
+        out, kind, group_name = node.args
+        ranks = group_ranks(group_name)
+        per_peer = bytes_per_peer(kind, out.meta["val"], len(ranks))
+        node_size = topology.node_size if topology else len(ranks)
+        intra, inter = peer_split(group_name, rank, node_size)
+        result.append(
+            ScheduledCollective(
+                graph=graph,
+                index=len(result),
+                kind=kind,
+                group_name=group_name,
+                group_size=len(ranks),
+                bytes_per_peer=per_peer,
+                intra_node_bytes=intra * per_peer,
+                inter_node_bytes=inter * per_peer,
+            )
+        )
+    return result
+
+
+# Compile records of undistributed models (ddp fallback) live here; those of a
+# distributed model live on its state, so `inspect(step)` finds its own.
+_UNOWNED: list[CompileRecord] = []
+
+
+def register_compile(record: CompileRecord, state) -> None:
+    if state is None:
+        _UNOWNED.append(record)
+    else:
+        state.compiles.append(record)
+
+
+def records_for(state) -> list[CompileRecord]:
+    return list(state.compiles) if state is not None else list(_UNOWNED)
