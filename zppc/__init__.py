@@ -5,9 +5,9 @@
 """
 
 from zppc.config import Config
-from zppc.distribute import distribute
+from zppc.distribute import distribute, full_parameters
 from zppc.inspect import inspect
 from zppc.runtime.ledger import CommStats, comm_stats, reset_comm_stats
 
-__all__ = ["CommStats", "Config", "comm_stats", "distribute", "inspect", "reset_comm_stats"]
+__all__ = ["CommStats", "Config", "comm_stats", "distribute", "full_parameters", "inspect", "reset_comm_stats"]
 __version__ = "0.1.0"

@@ -241,3 +241,22 @@ def _make_getter(name: str):
 
     full_parameter.__name__ = name
     return full_parameter
+
+
+@torch.no_grad()
+def full_parameters(model: nn.Module) -> dict[str, Tensor]:
+    """Every logical parameter of a distributed model as a full tensor, by its
+    original name (collective: every rank must call it)."""
+    state = state_of(model)
+    if state is None:
+        raise ValueError("full_parameters needs a model passed to zppc.distribute")
+    result = {}
+    for fqn, spec in state.specs.items():
+        shard = state.shard(fqn)
+        if spec.mode == "ddp":
+            result[fqn] = shard.detach().clone()
+            continue
+        gathered = shard.new_empty(spec.shard_numel * spec.world_size)
+        dist.all_gather_single(gathered, shard.detach().contiguous())
+        result[fqn] = gathered[: spec.numel].view(spec.shape).clone()
+    return result

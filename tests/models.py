@@ -1,0 +1,69 @@
+"""Small models for the tests. Every model's forward takes (x, y) and returns the loss."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zppc.models import GPT, PRESETS
+
+
+class OddMLP(nn.Module):
+    """Layer sizes that divide by nothing, a 1-element parameter, and a weight
+    read twice (exercises padding, tiny shards, and gather dedupe)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(13, 37)
+        self.fc2 = nn.Linear(37, 23)
+        self.fc3 = nn.Linear(23, 5)
+        self.scale = nn.Parameter(torch.tensor(0.7))
+
+    def forward(self, x, y):
+        h = torch.tanh(self.fc1(x))
+        h = torch.tanh(self.fc2(h)) + 0.1 * self.fc2(h)
+        return F.mse_loss(self.scale * self.fc3(h), y)
+
+    @staticmethod
+    def batch(step: int, n: int = 8):
+        """Fresh inputs each step, targets from a fixed teacher (learnable)."""
+        teacher = torch.randn(13, 5, generator=torch.Generator().manual_seed(1234))
+        x = torch.randn(n, 13, generator=torch.Generator().manual_seed(step))
+        return x, torch.tanh(x @ teacher)
+
+
+class FrozenMLP(OddMLP):
+    """OddMLP whose first layer is frozen (a pretrained trunk)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1.requires_grad_(False)
+        self.register_buffer("shift", torch.linspace(-1, 1, 13))
+
+    def forward(self, x, y):
+        return super().forward(x + self.shift, y)
+
+
+class BrokenMLP(OddMLP):
+    """OddMLP with a graph break in the middle: dynamo compiles two graphs."""
+
+    def forward(self, x, y):
+        h = torch.tanh(self.fc1(x))
+        torch._dynamo.graph_break()
+        h = torch.tanh(self.fc2(h))
+        return F.mse_loss(self.scale * self.fc3(h), y)
+
+
+class TinyGPT(GPT):
+    def __init__(self):
+        super().__init__(PRESETS["gpt-tiny"])
+
+    @staticmethod
+    def batch(step: int, n: int = 8):
+        """The same random sequences every step: memorizing them lowers the loss."""
+        tokens = torch.randint(0, 256, (n, 33), generator=torch.Generator().manual_seed(0))
+        return tokens[:, :-1], tokens[:, 1:]
+
+
+MODELS = {"mlp": OddMLP, "frozen": FrozenMLP, "gpt": TinyGPT, "broken": BrokenMLP}

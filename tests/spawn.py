@@ -1,0 +1,66 @@
+"""Run a function on several gloo ranks in fresh processes, with a hard timeout.
+
+`run_ranks(fn, world_size, *args)` returns the list of per-rank return values,
+re-raises the first rank's exception (with its traceback) and kills every rank
+if the job outlives its timeout, so no test can hang.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import tempfile
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def _child(fn, rank, world_size, init_file, results, args, env):
+    os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+        value = fn(rank, world_size, *args)
+        results.put((rank, "ok", value))
+    except BaseException as exc:  # report everything, including assertion failures
+        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, env: dict | None = None) -> list:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=_child, args=(fn, r, world_size, init_file, results, args, env or {}), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        values: dict[int, object] = {}
+        errors: dict[int, str] = {}
+        try:
+            for _ in range(world_size):
+                rank, status, value = results.get(timeout=timeout)
+                (values if status == "ok" else errors)[rank] = value
+                if errors:
+                    break
+        except queue.Empty:
+            raise TimeoutError(
+                f"ranks {sorted(set(range(world_size)) - set(values))} did not finish within {timeout}s"
+            ) from None
+        finally:
+            for p in procs:
+                p.join(timeout=5 if not errors else 0.5)
+                if p.is_alive():
+                    p.kill()
+        if errors:
+            rank = min(errors)
+            raise AssertionError(f"rank {rank} failed:\n{errors[rank]}")
+        return [values[r] for r in range(world_size)]
