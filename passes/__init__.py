@@ -68,7 +68,9 @@ def lint(gm: fx.GraphModule, graph_kind: str) -> None:
         return
     for node in gm.graph.nodes:
         if node.op in ("call_function", "placeholder") and "val" not in node.meta:
-            raise AssertionError(f"node {node.name} ({node.target}) has no meta['val'] after a pass")
+            raise AssertionError(
+                f"node {node.name} ({node.target}) has no meta['val'] after a pass"
+            )
 
 
 def run_passes(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -91,5 +93,11 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         record = PassRecord(p.name, dict(after - before), dict(before - after), gm.code)
         ctx.records.append(record)
         if ctx.config.log_passes:
-            log.info("zppc pass %s on %s graph: +%s -%s", p.name, ctx.graph_kind, record.added, record.removed)
+            log.info(
+                "zppc pass %s on %s graph: +%s -%s",
+                p.name,
+                ctx.graph_kind,
+                record.added,
+                record.removed,
+            )
     return gm

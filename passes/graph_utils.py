@@ -57,7 +57,8 @@ def find_unshards(graph: fx.Graph) -> list[UnshardMatch]:
 
 def find_reduce_grads(graph: fx.Graph) -> list[ReduceGradMatch]:
     return [
-        ReduceGradMatch(n, *n.args[:6]) for n in graph.find_nodes(op="call_function", target=REDUCE_GRAD)
+        ReduceGradMatch(n, *n.args[:6])
+        for n in graph.find_nodes(op="call_function", target=REDUCE_GRAD)
     ]
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 from torch import fx
 from torch._functorch.partitioners import default_partition
-
 from zppc.passes.graph_utils import UNSHARD
 
 aten = torch.ops.aten

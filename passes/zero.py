@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import torch
 from torch import fx
-
 from zppc.passes.graph_utils import (
     GraphBuilder,
     ReduceGradMatch,
@@ -61,7 +60,9 @@ def collective(b: GraphBuilder, kind: str, group_name: str, op, *args) -> fx.Nod
 
 def all_gather(b: GraphBuilder, flat: fx.Node, group_name: str) -> fx.Node:
     world = group_size(group_name)
-    return collective(b, "all_gather", group_name, c10d.all_gather_into_tensor.default, flat, world, group_name)
+    return collective(
+        b, "all_gather", group_name, c10d.all_gather_into_tensor.default, flat, world, group_name
+    )
 
 
 def unpad_to_shape(b: GraphBuilder, flat: fx.Node, shape: tuple[int, ...], numel: int) -> fx.Node:
@@ -92,15 +93,26 @@ def lower_reduce_grad(gm: fx.GraphModule, m: ReduceGradMatch) -> fx.Node:
     world = group_size(m.group_name)
     grad = cast(b, m.grad, m.reduce_dtype)
     if m.mode == "ddp":
-        total = collective(b, "all_reduce", m.group_name, c10d.all_reduce.default, grad, "sum", m.group_name)
+        total = collective(
+            b, "all_reduce", m.group_name, c10d.all_reduce.default, grad, "sum", m.group_name
+        )
     else:
         flat = flatten_padded(b, grad, m.shard_numel * world)
         if m.mode == "zero1":
-            reduced = collective(b, "all_reduce", m.group_name, c10d.all_reduce.default, flat, "sum", m.group_name)
+            reduced = collective(
+                b, "all_reduce", m.group_name, c10d.all_reduce.default, flat, "sum", m.group_name
+            )
             total = b.call(zppc_ops.take_shard.default, reduced, m.group_name)
         else:
             total = collective(
-                b, "reduce_scatter", m.group_name, c10d.reduce_scatter_tensor.default, flat, "sum", world, m.group_name
+                b,
+                "reduce_scatter",
+                m.group_name,
+                c10d.reduce_scatter_tensor.default,
+                flat,
+                "sum",
+                world,
+                m.group_name,
             )
     averaged = b.call(aten.div.Tensor, total, world)
     return cast(b, averaged, m.out_dtype)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor
-
 from zppc.runtime.ledger import record
 from zppc.runtime.topology import group_size
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 
-from zppc.runtime.topology import current_topology, group_ranks
+from zppc.runtime.topology import current_topology, group_ranks, world_epoch
 
 
 @dataclass
@@ -45,7 +45,9 @@ class CommStats:
         }
 
     def copy(self) -> CommStats:
-        return CommStats(self.intra_node_bytes, self.inter_node_bytes, dict(self.by_kind), dict(self.calls))
+        return CommStats(
+            self.intra_node_bytes, self.inter_node_bytes, dict(self.by_kind), dict(self.calls)
+        )
 
 
 _LOCK = threading.Lock()
@@ -64,9 +66,13 @@ def reset_comm_stats() -> None:
         _STATS = CommStats()
 
 
-@lru_cache(maxsize=None)
 def peer_split(group_name: str, my_rank: int, node_size: int) -> tuple[int, int]:
     """(peers on my node, peers on other nodes) in a group."""
+    return _peer_split(world_epoch(), group_name, my_rank, node_size)
+
+
+@cache
+def _peer_split(epoch: int, group_name: str, my_rank: int, node_size: int) -> tuple[int, int]:
     ranks = group_ranks(group_name)
     peers = [r for r in ranks if r != my_rank]
     intra = sum(1 for r in peers if r // node_size == my_rank // node_size)

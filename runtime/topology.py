@@ -23,7 +23,9 @@ class Topology:
 
     def __post_init__(self) -> None:
         if self.world_size <= 0 or self.node_size <= 0:
-            raise ValueError(f"world_size and node_size must be positive, got {self.world_size}, {self.node_size}")
+            raise ValueError(
+                f"world_size and node_size must be positive, got {self.world_size}, {self.node_size}"
+            )
 
     @property
     def num_nodes(self) -> int:
@@ -45,7 +47,11 @@ class Topology:
     def cross_node_groups(self) -> list[list[int]]:
         """For each local rank, the ranks holding it on every node."""
         return [
-            [n * self.node_size + local for n in range(self.num_nodes) if n * self.node_size + local < self.world_size]
+            [
+                n * self.node_size + local
+                for n in range(self.num_nodes)
+                if n * self.node_size + local < self.world_size
+            ]
             for local in range(self.node_size)
         ]
 
@@ -66,7 +72,15 @@ class Groups:
 
 
 _TOPOLOGY: Topology | None = None
-_GROUPS: dict[tuple[int, int], Groups] = {}
+# Keyed by the default process group too: tests (and the CLI) create and destroy
+# several worlds in one process. The value keeps the group alive so its id stays
+# unique while cached.
+_GROUPS: dict[tuple[int, int, int], tuple[dist.ProcessGroup, Groups]] = {}
+
+
+def world_epoch() -> int:
+    """Identifies the current default process group (changes when it is re-created)."""
+    return id(dist.distributed_c10d._get_default_group())
 
 
 def current_topology() -> Topology | None:
@@ -82,9 +96,9 @@ def set_topology(topology: Topology) -> None:
 def setup_groups(topology: Topology) -> Groups:
     """Create (once) the world, intra-node and cross-node groups; collective."""
     set_topology(topology)
-    key = (topology.world_size, topology.node_size)
+    key = (world_epoch(), topology.world_size, topology.node_size)
     if key in _GROUPS:
-        return _GROUPS[key]
+        return _GROUPS[key][1]
     world = dist.group.WORLD
     if topology.node_size in (1, topology.world_size):
         # Degenerate layouts need no new group: one of the two is the world,
@@ -95,8 +109,10 @@ def setup_groups(topology: Topology) -> Groups:
     else:
         intra, _ = dist.new_subgroups_by_enumeration(topology.intra_node_groups())
         cross, _ = dist.new_subgroups_by_enumeration(topology.cross_node_groups())
-    groups = Groups(world=world.group_name, intra_node=intra.group_name, cross_node=cross.group_name)
-    _GROUPS[key] = groups
+    groups = Groups(
+        world=world.group_name, intra_node=intra.group_name, cross_node=cross.group_name
+    )
+    _GROUPS[key] = (world, groups)
     return groups
 
 

@@ -20,6 +20,10 @@ class OddMLP(nn.Module):
         self.fc3 = nn.Linear(23, 5)
         self.scale = nn.Parameter(torch.tensor(0.7))
 
+    def reset_parameters(self):
+        """Initializes the module's own parameter (meta-device construction)."""
+        nn.init.constant_(self.scale, 0.7)
+
     def forward(self, x, y):
         h = torch.tanh(self.fc1(x))
         h = torch.tanh(self.fc2(h)) + 0.1 * self.fc2(h)
@@ -67,3 +71,24 @@ class TinyGPT(GPT):
 
 
 MODELS = {"mlp": OddMLP, "frozen": FrozenMLP, "gpt": TinyGPT, "broken": BrokenMLP}
+
+
+class Chain(nn.Module):
+    """Three bias-free linears: easy to predict the bytes of one step."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(10, 30, bias=False)
+        self.l2 = nn.Linear(30, 21, bias=False)
+        self.l3 = nn.Linear(21, 7, bias=False)
+
+    def forward(self, x, y):
+        return F.mse_loss(self.l3(torch.tanh(self.l2(torch.tanh(self.l1(x))))), y)
+
+    @staticmethod
+    def batch(step: int, n: int = 8):
+        g = torch.Generator().manual_seed(step)
+        return torch.randn(n, 10, generator=g), torch.randn(n, 7, generator=g)
+
+
+MODELS["chain"] = Chain

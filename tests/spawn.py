@@ -7,6 +7,7 @@ if the job outlives its timeout, so no test can hang.
 
 from __future__ import annotations
 
+import io
 import os
 import queue
 import tempfile
@@ -22,9 +23,15 @@ def _child(fn, rank, world_size, init_file, results, args, env):
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+        )
         value = fn(rank, world_size, *args)
-        results.put((rank, "ok", value))
+        # Serialized here: tensors sent through the queue would share memory
+        # with a process that is about to exit.
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        results.put((rank, "ok", buffer.getvalue()))
     except BaseException as exc:  # report everything, including assertion failures
         results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
@@ -38,7 +45,11 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, env: dict | No
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_child, args=(fn, r, world_size, init_file, results, args, env or {}), daemon=True)
+            ctx.Process(
+                target=_child,
+                args=(fn, r, world_size, init_file, results, args, env or {}),
+                daemon=True,
+            )
             for r in range(world_size)
         ]
         for p in procs:
@@ -63,4 +74,6 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, env: dict | No
         if errors:
             rank = min(errors)
             raise AssertionError(f"rank {rank} failed:\n{errors[rank]}")
-        return [values[r] for r in range(world_size)]
+        import torch
+
+        return [torch.load(io.BytesIO(values[r]), weights_only=False) for r in range(world_size)]

@@ -18,7 +18,10 @@ PARAM_TOL = 5e-5
 
 def check(result):
     for loss, ref in zip(result["losses"], result["ref_losses"]):
-        assert abs(loss - ref) <= LOSS_TOL * max(1.0, abs(ref)), (result["losses"], result["ref_losses"])
+        assert abs(loss - ref) <= LOSS_TOL * max(1.0, abs(ref)), (
+            result["losses"],
+            result["ref_losses"],
+        )
     worst = max(result["gaps"].items(), key=lambda kv: kv[1])
     assert worst[1] <= PARAM_TOL, f"parameter {worst[0]} differs by {worst[1]}"
     assert result["frozen_moved"] == []
@@ -29,7 +32,9 @@ def run_matrix(rank, world, strategy, node_size, lowering, cases):
     results = {}
     for model_name, optimizer in cases:
         cfg = dict(strategy=strategy, node_size=node_size, lowering=lowering)
-        results[(model_name, optimizer)] = train_against_reference(rank, world, model_name, cfg, optimizer)
+        results[(model_name, optimizer)] = train_against_reference(
+            rank, world, model_name, cfg, optimizer
+        )
     return results
 
 
@@ -62,7 +67,9 @@ def test_parity_other_zero_stages(strategy):
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
 def test_graph_break_gives_two_graphs_and_parity():
-    result = run_ranks(run_matrix, 2, "zero3", 2, "eager", [("broken", "adamw")])[0][("broken", "adamw")]
+    result = run_ranks(run_matrix, 2, "zero3", 2, "eager", [("broken", "adamw")])[0][
+        ("broken", "adamw")
+    ]
     assert result["graphs"] == 2
     check(result)
 

@@ -7,9 +7,9 @@ import hashlib
 
 import torch
 import torch.distributed as dist
+from models import MODELS
 
 import zppc
-from models import MODELS
 
 
 def make_optimizer(name: str, params):
@@ -54,7 +54,9 @@ def train_against_reference(rank, world, model_name, config_kwargs, optimizer, s
     ref_params = dict(reference.named_parameters())
     gaps = {name: (full[name] - ref_params[name].detach()).abs().max().item() for name in full}
     frozen_moved = [
-        name for name, p in ref_params.items() if not p.requires_grad and not torch.equal(full[name], p.detach())
+        name
+        for name, p in ref_params.items()
+        if not p.requires_grad and not torch.equal(full[name], p.detach())
     ]
     inspection = zppc.inspect(step)
     return {
@@ -77,6 +79,190 @@ def graph_hashes(rank, world, model_name, config_kwargs):
     x, y = model.batch(0)
     step(local_slice(x, rank, world), local_slice(y, rank, world)).backward()
     codes = [
-        record.final[kind].code for record in zppc.inspect(step).compiles for kind in ("forward", "backward")
+        record.final[kind].code
+        for record in zppc.inspect(step).compiles
+        for kind in ("forward", "backward")
     ]
     return hashlib.sha256("\n".join(codes).encode()).hexdigest()
+
+
+def saved_for_backward(rank, world, strategy):
+    """Shapes of the tensors the compiled forward saves for backward, and the
+    full weight shapes they must not include under zero3."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MODELS["mlp"]()
+    weight_shapes = sorted(tuple(p.shape) for p in model.parameters() if p.dim() == 2)
+    zppc.distribute(model, zppc.Config(strategy=strategy, lowering="eager"))
+    step = torch.compile(model, backend="zppc")
+    x, y = model.batch(0)
+    saved = []
+
+    def pack(t):
+        saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = step(local_slice(x, rank, world), local_slice(y, rank, world))
+    loss.backward()
+    return {"saved": saved, "weights": weight_shapes}
+
+
+def state_bytes(params, opt) -> int:
+    total = 0
+    for p in params:
+        total += p.numel() * p.element_size()
+        if p.grad is not None:
+            total += p.grad.numel() * p.grad.element_size()
+        for value in opt.state.get(p, {}).values():
+            if torch.is_tensor(value) and value.dim() > 0:
+                total += value.numel() * value.element_size()
+    return total
+
+
+def training_state_bytes(rank, world, strategy):
+    """Bytes of parameters + gradients + AdamW state on this rank after one step,
+    and the same for an undistributed copy."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MODELS["gpt"]()
+    single = copy.deepcopy(model)
+    zppc.distribute(model, zppc.Config(strategy=strategy, lowering="eager"))
+    step = torch.compile(model, backend="zppc")
+    result = {}
+    for name, m, run in (("rank", model, step), ("single", single, single)):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        x, y = m.batch(0)
+        if name == "rank":
+            x, y = local_slice(x, rank, world), local_slice(y, rank, world)
+        run(x, y).backward()
+        opt.step()
+        result[name] = state_bytes(list(m.parameters()), opt)
+    return result
+
+
+def one_step_ledger(rank, world, node_size):
+    """The ledger and the compiled schedule of one zero3 training step."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MODELS["chain"]()
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    zppc.distribute(model, zppc.Config(strategy="zero3", node_size=node_size, lowering="eager"))
+    step = torch.compile(model, backend="zppc")
+    x, y = model.batch(0)
+    step(local_slice(x, rank, world), local_slice(y, rank, world)).backward()  # compile + warm up
+    zppc.reset_comm_stats()
+    step(local_slice(x, rank, world), local_slice(y, rank, world)).backward()
+    stats = zppc.comm_stats().as_dict()
+    schedule = [
+        (c.graph, c.kind, c.intra_node_bytes, c.inter_node_bytes)
+        for c in zppc.inspect(step).schedule
+    ]
+    return {"stats": stats, "schedule": schedule, "shapes": shapes}
+
+
+def expect_error(rank, world, what):
+    """Call a bad zppc entry point; return the exception text (or None)."""
+    import time
+
+    from torch import nn
+
+    start = time.monotonic()
+    try:
+        if what == "node_size":
+            zppc.distribute(MODELS["mlp"](), zppc.Config(node_size=world + 1))
+        elif what == "lstm":
+            zppc.distribute(nn.LSTM(4, 4), zppc.Config())
+        elif what == "twice":
+            model = zppc.distribute(MODELS["mlp"](), zppc.Config(lowering="eager"))
+            zppc.distribute(model, zppc.Config())
+        elif what == "options":
+            model = zppc.distribute(MODELS["mlp"](), zppc.Config(lowering="eager"))
+            x, y = model.batch(0)
+            torch.compile(model, backend="zppc", options={"strategy": "ddp"})(x, y)
+    except Exception as exc:  # the test inspects the message
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start}
+    return {"error": None, "seconds": time.monotonic() - start}
+
+
+def undistributed_ddp_fallback(rank, world):
+    """An undistributed model compiled with backend="zppc" on several ranks gets
+    ddp: its gradients are the average over ranks of the local ones."""
+    torch._dynamo.reset()
+    torch.manual_seed(rank)  # different on purpose: the backend broadcasts rank 0's
+    model = MODELS["mlp"]()
+    step = torch.compile(model, backend="zppc", options={"lowering": "eager"})
+    x, y = model.batch(rank)
+    step(x, y).backward()
+    compiled = {n: p.grad.clone() for n, p in model.named_parameters()}
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = None
+    model(x, y).backward()
+    gaps = {}
+    for n, p in model.named_parameters():
+        expected = p.grad.clone()
+        dist.all_reduce(expected)
+        gaps[n] = (compiled[n] - expected / world).abs().max().item()
+    return {"gaps": gaps, "weights": weights, "records": len(zppc.inspect(step).compiles)}
+
+
+def dtype_training(rank, world, dtype_name, param_dtype_name, steps=5):
+    """Losses and final weights of compiled and eager zero3 training of a model
+    stored in `dtype`, and of a float32 single-process reference."""
+    dtype = getattr(torch, dtype_name)
+    param_dtype = getattr(torch, param_dtype_name) if param_dtype_name else None
+    torch._dynamo.reset()
+    result = {}
+    for name in ("compiled", "eager", "reference"):
+        torch.manual_seed(0)
+        model = MODELS["gpt"]().to(torch.float32 if name == "reference" else dtype)
+        run = model
+        if name != "reference":
+            zppc.distribute(model, zppc.Config(lowering="eager", param_dtype=param_dtype))
+            if name == "compiled":
+                run = torch.compile(model, backend="zppc")
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        losses = []
+        for i in range(steps):
+            x, y = model.batch(i)
+            if name != "reference":
+                x, y = local_slice(x, rank, world), local_slice(y, rank, world)
+            loss = run(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            value = loss.detach().float()
+            if name != "reference":
+                dist.all_reduce(value)
+                value /= world
+            losses.append(value.item())
+        params = (
+            zppc.full_parameters(model) if name != "reference" else dict(model.named_parameters())
+        )
+        result[name] = {
+            "losses": losses,
+            "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+            "params": {k: v.detach().float() for k, v in params.items()},
+        }
+    return result
+
+
+def meta_init(rank, world):
+    """A model built on the meta device is materialized, identical on every rank, and trains."""
+    torch._dynamo.reset()
+    torch.manual_seed(rank)
+    with torch.device("meta"):
+        model = MODELS["mlp"]()
+    zppc.distribute(model, zppc.Config(lowering="eager"))
+    step = torch.compile(model, backend="zppc")
+    x, y = model.batch(0)
+    loss = step(local_slice(x, rank, world), local_slice(y, rank, world))
+    loss.backward()
+    full = zppc.full_parameters(model)
+    digest = hashlib.sha256(b"".join(t.numpy().tobytes() for t in full.values())).hexdigest()
+    return {
+        "digest": digest,
+        "finite": bool(torch.isfinite(loss)),
+        "meta": any(p.is_meta for p in model.parameters()),
+    }

@@ -1,7 +1,7 @@
 """zppc: a torch.compile backend for ZeRO-3 / ZeRO++ training on slow networks.
 
-    model = zppc.distribute(model, zppc.Config(strategy="zero3"))
-    step = torch.compile(model, backend="zppc")
+model = zppc.distribute(model, zppc.Config(strategy="zero3"))
+step = torch.compile(model, backend="zppc")
 """
 
 from zppc.config import Config
@@ -9,5 +9,13 @@ from zppc.distribute import distribute, full_parameters
 from zppc.inspect import inspect
 from zppc.runtime.ledger import CommStats, comm_stats, reset_comm_stats
 
-__all__ = ["CommStats", "Config", "comm_stats", "distribute", "full_parameters", "inspect", "reset_comm_stats"]
+__all__ = [
+    "CommStats",
+    "Config",
+    "comm_stats",
+    "distribute",
+    "full_parameters",
+    "inspect",
+    "reset_comm_stats",
+]
 __version__ = "0.1.0"

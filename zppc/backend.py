@@ -26,14 +26,22 @@ from zppc.schedule import CompileRecord, register_compile
 FIXED_AT_DISTRIBUTE = ("strategy", "node_size", "param_dtype", "reduce_dtype")
 
 
-def zppc_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | None = None, **kwargs):
+def zppc_backend(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | None = None, **kwargs
+):
     """Entry point of `torch.compile(model, backend="zppc", options={...})`."""
     options = dict(options or {})
     state = _find_state(example_inputs)
     if state is not None:
-        fixed = sorted(k for k in options if k in FIXED_AT_DISTRIBUTE and options[k] != getattr(state.config, k))
+        fixed = sorted(
+            k
+            for k in options
+            if k in FIXED_AT_DISTRIBUTE and options[k] != getattr(state.config, k)
+        )
         if fixed:
-            raise ValueError(f"options cannot change {fixed} of a model already passed to zppc.distribute")
+            raise ValueError(
+                f"options cannot change {fixed} of a model already passed to zppc.distribute"
+            )
         config = state.config.replace(**options)
     elif dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         config = Config(**{"strategy": "ddp", **options})
@@ -52,7 +60,9 @@ def zppc_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dic
 def _find_state(example_inputs: Sequence[Any]) -> DistributedState | None:
     states = {id(s): s for s in map(state_of_shard, example_inputs) if s is not None}
     if len(states) > 1:
-        raise ValueError("one compiled graph uses parameters of two models passed to zppc.distribute")
+        raise ValueError(
+            "one compiled graph uses parameters of two models passed to zppc.distribute"
+        )
     return next(iter(states.values()), None)
 
 
@@ -136,4 +146,3 @@ class _ZppcPartitioner(CustomPartitionerFn):
 
     def uuid(self):
         return None  # never reuse cached code: the passes depend on the Config
-

@@ -94,11 +94,15 @@ class Config:
         if not isinstance(self.hpz, bool):
             raise ValueError(f"hpz must be True or False, got {self.hpz!r}")
         if self.node_size is not None and (
-            isinstance(self.node_size, bool) or not isinstance(self.node_size, int) or self.node_size <= 0
+            isinstance(self.node_size, bool)
+            or not isinstance(self.node_size, int)
+            or self.node_size <= 0
         ):
             raise ValueError(f"node_size must be a positive int or None, got {self.node_size!r}")
         if self.osp is not None and not (
-            isinstance(self.osp, (int, float)) and not isinstance(self.osp, bool) and 0.0 < self.osp < 1.0
+            isinstance(self.osp, (int, float))
+            and not isinstance(self.osp, bool)
+            and 0.0 < self.osp < 1.0
         ):
             raise ValueError(f"osp must be None or a fraction in (0, 1), got {self.osp!r}")
         for name in ("param_dtype", "reduce_dtype"):
@@ -106,17 +110,23 @@ class Config:
             if value is not None and value not in FLOAT_DTYPES:
                 raise ValueError(f"{name} must be one of {FLOAT_DTYPES} or None, got {value!r}")
         if not isinstance(self.disable_passes, (tuple, list)):
-            raise ValueError(f"disable_passes must be a tuple of pass names, got {self.disable_passes!r}")
+            raise ValueError(
+                f"disable_passes must be a tuple of pass names, got {self.disable_passes!r}"
+            )
         from zppc.passes import PASS_NAMES
 
         unknown = sorted(set(self.disable_passes) - set(PASS_NAMES))
         if unknown:
-            raise ValueError(f"disable_passes names unknown passes {unknown}; known: {list(PASS_NAMES)}")
+            raise ValueError(
+                f"disable_passes names unknown passes {unknown}; known: {list(PASS_NAMES)}"
+            )
         object.__setattr__(self, "disable_passes", tuple(self.disable_passes))
 
         sharded = ("zero1", "zero2", "zero3")
         if self.qwz is not None and self.strategy not in sharded:
-            raise ValueError(f"qwz needs a sharded strategy {sharded}, got strategy={self.strategy!r}")
+            raise ValueError(
+                f"qwz needs a sharded strategy {sharded}, got strategy={self.strategy!r}"
+            )
         if self.hpz and self.strategy != "zero3":
             raise ValueError(f"hpz needs strategy='zero3', got strategy={self.strategy!r}")
         if self.qgz is not None and self.strategy not in ("zero2", "zero3"):
@@ -128,7 +138,11 @@ class Config:
             raise ValueError("strategy='rtp' does not combine with qwz, hpz or qgz")
 
         for name, what in NOT_YET_BUILT.items():
-            asked = self.strategy == "rtp" if name == "rtp" else getattr(self, name) not in (None, False)
+            asked = (
+                self.strategy == "rtp"
+                if name == "rtp"
+                else getattr(self, name) not in (None, False)
+            )
             if asked:
                 raise NotImplementedError(f"zppc: {name} ({what}) is not implemented yet")
 

@@ -164,14 +164,21 @@ def _check_model(model: nn.Module) -> None:
                 f"through flat buffers, not attributes"
             )
         for pname in module._parameters:
-            if hasattr(type(module), pname + SHARD_SUFFIX) or (pname + SHARD_SUFFIX) in module._parameters:
-                raise ValueError(f"{name}.{pname}{SHARD_SUFFIX} already exists; zppc needs that name")
+            if (
+                hasattr(type(module), pname + SHARD_SUFFIX)
+                or (pname + SHARD_SUFFIX) in module._parameters
+            ):
+                raise ValueError(
+                    f"{name}.{pname}{SHARD_SUFFIX} already exists; zppc needs that name"
+                )
     devices = {p.device.type for p in model.parameters()} - {"meta"}
     if len(devices) > 1:
         raise ValueError(f"all parameters must be on one device type, found {sorted(devices)}")
     for name, p in model.named_parameters():
         if p.is_sparse or not p.is_floating_point():
-            raise ValueError(f"parameter {name!r} must be a dense floating-point tensor, got {p.dtype}")
+            raise ValueError(
+                f"parameter {name!r} must be a dense floating-point tensor, got {p.dtype}"
+            )
 
 
 def _materialize_meta(model: nn.Module) -> None:
@@ -211,7 +218,9 @@ def _broadcast_from_rank0(model: nn.Module) -> None:
             offset += t.numel()
 
 
-def _replace_with_property(module: nn.Module, name: str, shard: nn.Parameter, spec: ShardSpec) -> None:
+def _replace_with_property(
+    module: nn.Module, name: str, shard: nn.Parameter, spec: ShardSpec
+) -> None:
     del module._parameters[name]
     module.register_parameter(name + SHARD_SUFFIX, shard)
     specs = module.__dict__.setdefault("_zppc_specs", {})

@@ -31,7 +31,9 @@ class Inspection:
                     change = f"+{r.added} -{r.removed}" if r.name != "input" else ""
                     lines.append(f"  {kind:8s} {r.name:16s} {change}")
         lines.append("== communication schedule (bytes received by this rank)")
-        lines.append(f"  {'graph':8s} {'#':>3s} {'kind':15s} {'group':>5s} {'intra':>12s} {'inter':>12s}")
+        lines.append(
+            f"  {'graph':8s} {'#':>3s} {'kind':15s} {'group':>5s} {'intra':>12s} {'inter':>12s}"
+        )
         for c in self.schedule:
             lines.append(
                 f"  {c.graph:8s} {c.index:3d} {c.kind:15s} {c.group_size:5d} "

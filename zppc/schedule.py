@@ -31,7 +31,9 @@ class CompileRecord:
     """Everything zppc produced for one dynamo graph."""
 
     config: object
-    passes: dict[str, list] = field(default_factory=lambda: {"dynamo": [], "forward": [], "backward": []})
+    passes: dict[str, list] = field(
+        default_factory=lambda: {"dynamo": [], "forward": [], "backward": []}
+    )
     final: dict[str, fx.GraphModule] = field(default_factory=dict)
 
     def schedule(self, rank: int | None = None) -> list[ScheduledCollective]:

@@ -1,0 +1,68 @@
+"""At scale, in one process: the fake process group traces real graphs for
+hundreds of ranks, so the schedule and bytes can be checked without a cluster."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import zppc
+from zppc.models import GPT, PRESETS
+
+
+@pytest.fixture
+def fake_world(request):
+    world, rank = request.param
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    torch._dynamo.reset()
+    yield world, rank
+    torch._dynamo.reset()
+    dist.destroy_process_group()
+
+
+def compile_one_step(config: zppc.Config):
+    torch.manual_seed(0)
+    model = zppc.distribute(GPT(PRESETS["gpt-tiny"]), config)
+    step = torch.compile(model, backend="zppc")
+    tokens = torch.randint(0, 256, (2, 33))
+    step(tokens[:, :-1], tokens[:, 1:]).backward()
+    return model, zppc.inspect(step)
+
+
+@pytest.mark.parametrize("fake_world", [(8, 3), (384, 17)], indirect=True)
+def test_zero3_schedule_at_scale(fake_world):
+    world, rank = fake_world
+    node_size = 16 if world > 16 else 4
+    model, inspection = compile_one_step(zppc.Config(node_size=node_size, lowering="eager"))
+    state = model._zppc_state
+    shard_bytes = {fqn: spec.shard_numel * 4 for fqn, spec in state.specs.items()}
+    # Tied embedding: one logical parameter, gathered once per graph.
+    assert "lm_head.weight" not in state.specs and "wte.weight" in state.specs
+
+    schedule = inspection.schedule
+    forward = [c for c in schedule if c.graph == "forward"]
+    backward = [c for c in schedule if c.graph == "backward"]
+    assert [c.kind for c in forward] == ["all_gather"] * len(shard_bytes)
+    scatters = [c for c in backward if c.kind == "reduce_scatter"]
+    assert len(scatters) == len(shard_bytes)
+    assert sorted(c.bytes_per_peer for c in scatters) == sorted(shard_bytes.values())
+    for c in schedule:
+        assert c.group_size == world
+        assert c.intra_node_bytes == (node_size - 1) * c.bytes_per_peer
+        assert c.inter_node_bytes == (world - node_size) * c.bytes_per_peer
+    # The model's bytes cross the network three times (minus what backward need
+    # not re-gather): ZeRO-3's 3M.
+    model_bytes = sum(shard_bytes.values()) * world
+    total = sum(c.bytes_per_peer for c in schedule) * world
+    assert 2 * model_bytes < total <= 3 * model_bytes
+
+
+@pytest.mark.parametrize("fake_world", [(64, 5)], indirect=True)
+def test_padding_for_sizes_smaller_than_the_world(fake_world):
+    world, _ = fake_world
+    model, _ = compile_one_step(zppc.Config(lowering="eager", node_size=8))
+    for fqn, spec in model._zppc_state.specs.items():
+        assert spec.shard_numel == math.ceil(spec.numel / world)
+        assert model._zppc_state.shard(fqn).numel() == spec.shard_numel

@@ -1,0 +1,69 @@
+"""ZeRO-3's promises on real gloo ranks: memory, identical graphs, the ledger."""
+
+import math
+
+import pytest
+from spawn import run_ranks
+from workers import graph_hashes, one_step_ledger, saved_for_backward, training_state_bytes
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
+
+
+def full_weights_saved(result) -> list:
+    """Saved tensors shaped like a weight or its transpose (no activation here is:
+    the local batch, 4, is none of the layer sizes)."""
+    weights = {tuple(s) for s in result["weights"]} | {
+        tuple(reversed(s)) for s in result["weights"]
+    }
+    return [s for s in result["saved"] if s in weights]
+
+
+def test_zero3_forward_saves_no_full_weight():
+    result = run_ranks(saved_for_backward, 2, "zero3")[0]
+    assert result["saved"], "the saved-tensor hook saw nothing: the test would be blind"
+    assert full_weights_saved(result) == []
+
+
+def test_zero2_does_save_full_weights():
+    # The same probe must see full weights when the strategy keeps them.
+    result = run_ranks(saved_for_backward, 2, "zero2")[0]
+    assert full_weights_saved(result)
+
+
+def test_rank_state_is_one_world_th():
+    world = 4
+    for result in run_ranks(training_state_bytes, world, "zero3"):
+        ratio = result["rank"] / result["single"]
+        # Padding to the world size adds at most world-1 elements per parameter.
+        assert 1 / world <= ratio <= 1 / world * 1.02, ratio
+
+
+@pytest.mark.parametrize("model", ["gpt", "frozen"])
+def test_all_ranks_build_identical_graphs(model):
+    hashes = run_ranks(
+        graph_hashes, 4, model, dict(strategy="zero3", node_size=2, lowering="eager")
+    )
+    assert len(set(hashes)) == 1, hashes
+
+
+def test_ledger_matches_formula_and_schedule():
+    world, node_size = 4, 2
+    results = run_ranks(one_step_ledger, world, node_size)
+    shapes = results[0]["shapes"]
+    shard_bytes = {name: math.ceil(math.prod(s) / world) * 4 for name, s in shapes.items()}
+    # Forward gathers every weight, backward re-gathers those needed for input
+    # gradients (all but l1: the input needs no gradient), and every gradient is
+    # reduce-scattered. Each peer sends one shard per collective; with 2 ranks
+    # per node, 1 peer is on my node and 2 are not.
+    gathered = sum(shard_bytes.values()) + shard_bytes["l2.weight"] + shard_bytes["l3.weight"]
+    scattered = sum(shard_bytes.values())
+    for result in results:
+        stats = result["stats"]
+        assert stats["by_kind"] == {"all_gather": 3 * gathered, "reduce_scatter": 3 * scattered}
+        assert stats["intra_node_bytes"] == gathered + scattered
+        assert stats["inter_node_bytes"] == 2 * (gathered + scattered)
+        assert stats["calls"] == {"all_gather": 5, "reduce_scatter": 3}
+        schedule = result["schedule"]
+        assert sum(c[2] for c in schedule) == stats["intra_node_bytes"]
+        assert sum(c[3] for c in schedule) == stats["inter_node_bytes"]
+        assert [c[1] for c in schedule if c[0] == "forward"] == ["all_gather"] * 3
