@@ -27,10 +27,10 @@ def test_low_precision_training(dtype, param_dtype, tol):
     compiled, eager, reference = result["compiled"], result["eager"], result["reference"]
     assert compiled["dtypes"] == [f"torch.{dtype}"], "shards must keep the model's dtype"
     # The compiled graph runs the eager IR's arithmetic op for op.
-    for a, b in zip(compiled["losses"], eager["losses"]):
+    for a, b in zip(compiled["losses"], eager["losses"], strict=True):
         assert abs(a - b) <= tol * abs(b) / 4, (compiled["losses"], eager["losses"])
     # And low precision tracks the float32 single-process run.
-    for a, b in zip(compiled["losses"], reference["losses"]):
+    for a, b in zip(compiled["losses"], reference["losses"], strict=True):
         assert abs(a - b) <= tol * abs(b), (compiled["losses"], reference["losses"])
     assert compiled["losses"][-1] < compiled["losses"][0]
 

@@ -17,7 +17,7 @@ PARAM_TOL = 5e-5
 
 
 def check(result):
-    for loss, ref in zip(result["losses"], result["ref_losses"]):
+    for loss, ref in zip(result["losses"], result["ref_losses"], strict=True):
         assert abs(loss - ref) <= LOSS_TOL * max(1.0, abs(ref)), (
             result["losses"],
             result["ref_losses"],

@@ -20,6 +20,7 @@ from zppc.config import Config
 from zppc.distribute import DistributedState, state_of_shard
 from zppc.passes import PassContext, run_passes
 from zppc.passes.partition import zppc_partition
+from zppc.runtime.topology import Topology, default_node_size, setup_groups
 from zppc.schedule import CompileRecord, register_compile
 
 # Fields baked into the shards by `distribute`; options cannot change them later.
@@ -123,7 +124,13 @@ def _wrap_parameters_for_ddp(gm: fx.GraphModule, example_inputs, config: Config)
     ddp `unshard` so its gradient is all-reduced, after broadcasting rank 0's
     values (every rank compiles the same graphs in the same order)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    params = [(n, t) for n, t in zip(placeholders, example_inputs) if isinstance(t, nn.Parameter)]
+    params = [
+        (n, t)
+        for n, t in zip(placeholders, example_inputs, strict=True)
+        if isinstance(t, nn.Parameter)
+    ]
+    world = dist.get_world_size()
+    setup_groups(Topology(world, config.node_size or default_node_size(world)))
     with torch.no_grad():
         for _, t in params:
             dist.broadcast(t.data, src=0)
@@ -134,7 +141,8 @@ def _wrap_parameters_for_ddp(gm: fx.GraphModule, example_inputs, config: Config)
                 torch.ops.zppc.unshard.default,
                 (node, list(t.shape), group_name, "ddp", config.param_dtype, config.reduce_dtype),
             )
-        node.replace_all_uses_with(full, delete_user_cb=lambda user: user is not full)
+        node.replace_all_uses_with(full)
+        full.update_arg(0, node)
     gm.recompile()
 
 

@@ -1,0 +1,32 @@
+# Each target installs what it needs into .venv first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint format clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and pinned, so nothing else can pull a different (CUDA) build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/torchrun --nproc-per-node 4 examples/train_gpt.py --node-size 2 --steps 100
+
+test: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(VENV)/.installed
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) build *.egg-info
