@@ -11,40 +11,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import sysconfig
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
 import zppc
+from zppc.data import random_windows, stdlib_corpus
 from zppc.models import GPT, PRESETS
-
-
-def load_corpus(max_bytes: int) -> torch.Tensor:
-    """Bytes of the standard library's .py files, in a fixed order."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    chunks, total = [], 0
-    for path in sorted(root.rglob("*.py")):
-        if "site-packages" in path.parts or "test" in path.parts:
-            continue
-        data = path.read_bytes()
-        chunks.append(data)
-        total += len(data)
-        if total >= max_bytes:
-            break
-    return torch.frombuffer(bytearray(b"".join(chunks)[:max_bytes]), dtype=torch.uint8).long()
-
-
-def batches(data: torch.Tensor, batch: int, block: int, seed: int):
-    """Random windows; each rank draws its own (data parallelism)."""
-    g = torch.Generator().manual_seed(seed)
-    while True:
-        starts = torch.randint(0, data.numel() - block - 1, (batch,), generator=g)
-        window = torch.stack([data[s : s + block + 1] for s in starts.tolist()])
-        yield window[:, :-1], window[:, 1:]
 
 
 def parse_args() -> argparse.Namespace:
@@ -81,9 +56,9 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     step = torch.compile(model, backend="zppc")
 
-    data = load_corpus(int(args.corpus_mb * 2**20))
+    data = stdlib_corpus(int(args.corpus_mb * 2**20))
     split = int(0.95 * data.numel())
-    train = batches(data[:split], args.batch_size, block, seed=1000 + rank)
+    train = random_windows(data[:split], args.batch_size, block, seed=1000 + rank)
     if rank == 0:
         print(
             f"zppc {args.strategy} on {world} ranks ({args.lowering}): GPT {args.preset} "
@@ -113,7 +88,7 @@ def main() -> None:
         )
 
     stats = zppc.comm_stats()
-    val = batches(data[split:], args.batch_size, block, seed=7)
+    val = random_windows(data[split:], args.batch_size, block, seed=7)
     with torch.no_grad():
         val_loss = torch.stack([step(*next(val)) for _ in range(4)]).mean()
     dist.all_reduce(val_loss)

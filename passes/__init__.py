@@ -16,7 +16,7 @@ from torch import fx
 
 # Every pass zppc knows, in pipeline order. Config.disable_passes is checked
 # against this tuple, so it must not import anything heavy.
-PASS_NAMES = ("dedupe_unshard", "zero")
+PASS_NAMES = ("dedupe_unshard", "zero", "qwz")
 
 log = logging.getLogger("zppc.passes")
 
@@ -52,12 +52,15 @@ class PassContext:
 def build_passes(config) -> list[GraphPass]:
     """The ordered pass list for `config`."""
     from zppc.passes.dedupe import dedupe_unshard_pass
+    from zppc.passes.qwz import qwz_pass
     from zppc.passes.zero import zero_pass
 
     passes = [
         GraphPass("dedupe_unshard", dedupe_unshard_pass, ("dynamo",)),
         GraphPass("zero", zero_pass, ("forward", "backward")),
     ]
+    if config.qwz is not None:
+        passes.append(GraphPass("qwz", qwz_pass, ("forward", "backward")))
     return [p for p in passes if p.name not in config.disable_passes]
 
 

@@ -65,6 +65,11 @@ def all_gather(b: GraphBuilder, flat: fx.Node, group_name: str) -> fx.Node:
     )
 
 
+# meta key on the wait node of every parameter all-gather: later passes (qwz,
+# bucket) find the gathers they rewrite by it.
+PARAM_GATHER = "zppc_param_gather"
+
+
 def unpad_to_shape(b: GraphBuilder, flat: fx.Node, shape: tuple[int, ...], numel: int) -> fx.Node:
     if flat.meta["val"].numel() != numel:
         flat = b.call(aten.slice.Tensor, flat, 0, 0, numel)
@@ -77,6 +82,7 @@ def lower_unshard(gm: fx.GraphModule, m: UnshardMatch) -> fx.Node:
     if m.mode == "ddp":
         return local if local is not m.shard else b.call(aten.alias.default, local)
     gathered = all_gather(b, local, m.group_name)
+    gathered.meta[PARAM_GATHER] = True
     return unpad_to_shape(b, gathered, m.shape, m.numel)
 
 

@@ -31,6 +31,7 @@ def test_config_is_frozen():
         (dict(qgz="fp8"), ["qgz", "fp8"]),
         (dict(lowering="jit"), ["lowering", "jit"]),
         (dict(qwz_block=0), ["qwz_block", "0"]),
+        (dict(qwz="int4", qwz_block=65), ["qwz_block", "even", "65"]),
         (dict(bucket_bytes=-1), ["bucket_bytes", "-1"]),
         (dict(node_size=0), ["node_size", "0"]),
         (dict(osp=1.5), ["osp", "1.5"]),

@@ -266,3 +266,101 @@ def meta_init(rank, world):
         "finite": bool(torch.isfinite(loss)),
         "meta": any(p.is_meta for p in model.parameters()),
     }
+
+
+def qwz_step_bytes(rank, world, qwz, dtype_name):
+    """Ledger of one warm zero3 step of the tiny GPT, and the payload sizes the
+    rank's gathers should have moved."""
+    from zppc.kernels.quant import PayloadLayout
+
+    dtype = getattr(torch, dtype_name)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MODELS["gpt"]().to(dtype)
+    config = zppc.Config(qwz=qwz, node_size=2, lowering="eager")
+    zppc.distribute(model, config)
+    step = torch.compile(model, backend="zppc")
+    x, y = model.batch(0)
+    x, y = local_slice(x, rank, world), local_slice(y, rank, world)
+    step(x, y).backward()
+    zppc.reset_comm_stats()
+    step(x, y).backward()
+    stats = zppc.comm_stats().as_dict()
+    state = model._zppc_state
+    gathers = [c for c in zppc.inspect(step).schedule if c.kind == "all_gather"]
+    shard_numels = {spec.shard_numel for spec in state.specs.values()}
+    payloads = {
+        n: PayloadLayout(n, config.qwz_block_size, 8 if qwz == "int8" else 4).nbytes
+        if qwz
+        else n * 2
+        for n in shard_numels
+    }
+    return {
+        "stats": stats,
+        "gather_peer_bytes": [c.bytes_per_peer for c in gathers],
+        "payloads": payloads,
+    }
+
+
+def on_grid(model) -> None:
+    """Put every shard on the 2^-7 grid with 127/128 in each non-empty shard, so
+    that one int8 block per shard represents it exactly."""
+    state = model._zppc_state
+    g = torch.Generator().manual_seed(dist.get_rank())
+    with torch.no_grad():
+        for fqn, spec in state.specs.items():
+            shard = state.shard(fqn)
+            valid = max(0, min(spec.shard_numel, spec.numel - dist.get_rank() * spec.shard_numel))
+            shard.zero_()
+            if valid:
+                shard[:valid] = torch.randint(-127, 128, (valid,), generator=g).float() / 128
+                shard[0] = 127 / 128
+
+
+def lossless_qwz_step(rank, world):
+    """Loss and shard gradients of one step with and without qwz int8 on weights
+    that int8 represents exactly."""
+    result = {}
+    for qwz in (None, "int8"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = MODELS["gpt"]()
+        zppc.distribute(model, zppc.Config(qwz=qwz, qwz_block=1 << 20, lowering="eager"))
+        on_grid(model)
+        step = torch.compile(model, backend="zppc")
+        x, y = model.batch(0)
+        loss = step(local_slice(x, rank, world), local_slice(y, rank, world))
+        loss.backward()
+        result[qwz] = {"loss": loss.detach(), "grads": [p.grad.clone() for p in model.parameters()]}
+    return result
+
+
+def qwz_training(rank, world, steps):
+    """Loss curves and held-out loss of zero3 without and with qwz int8 / int4,
+    trained on the same text."""
+    from zppc.data import random_windows, stdlib_corpus
+
+    corpus = stdlib_corpus(1 << 20)
+    train, held_out = corpus[: 15 << 16], corpus[15 << 16 :]
+    result = {}
+    for qwz in (None, "int8", "int4"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = MODELS["gpt"]()
+        zppc.distribute(model, zppc.Config(qwz=qwz, lowering="eager"))
+        step = torch.compile(model, backend="zppc")
+        opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+        batches = random_windows(train, 8, 32, seed=rank)
+        losses = []
+        for _ in range(steps):
+            loss = step(*next(batches))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        with torch.no_grad():
+            val = random_windows(held_out, 16, 32, seed=999)
+            held = torch.stack([step(*next(val)) for _ in range(8)]).mean()
+        dist.all_reduce(held)
+        result[qwz] = {"losses": losses, "held_out": held.item() / world}
+    return result

@@ -19,6 +19,11 @@ QGZ_FORMATS = (None, "int4", "int8")
 LOWERINGS = ("inductor", "eager")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+# Default block sizes: one fp32 scale per block costs 4 bytes. int8 at 2048
+# keeps 41.6 dB signal-to-noise on Gaussian data for 0.2% overhead; int4 needs
+# blocks of 128 to stay above 18 dB (18.6 dB, 6% overhead; 2048 gives 16.4 dB).
+DEFAULT_BLOCK = {"int8": 2048, "int4": 128}
+
 # Features that are part of the contract but not built yet. Asking for one is an
 # error, never a silent no-op.
 NOT_YET_BUILT = {
@@ -42,8 +47,9 @@ class Config:
     qwz: str | None = None
     """Quantized forward weight all-gather (ZeRO++ qwZ): None, "int8" or "int4"."""
 
-    qwz_block: int = 2048
-    """Elements per quantization block of qwZ (one fp32 scale each)."""
+    qwz_block: int | None = None
+    """Elements per quantization block of qwZ (one fp32 scale each). None: the
+    format's default (`DEFAULT_BLOCK`)."""
 
     hpz: bool = False
     """Keep a secondary shard over the node after the forward gather so that the
@@ -52,8 +58,8 @@ class Config:
     qgz: str | None = None
     """Quantized two-hop gradient all-to-all (ZeRO++ qgZ): None, "int4" or "int8"."""
 
-    qgz_block: int = 2048
-    """Elements per quantization block of qgZ."""
+    qgz_block: int | None = None
+    """Elements per quantization block of qgZ. None: the format's default."""
 
     osp: float | None = None
     """OSP: the fraction of gradient bytes deferred to stage 2, in (0, 1)."""
@@ -89,8 +95,16 @@ class Config:
         _check_choice("lowering", self.lowering, LOWERINGS)
         for name in ("qwz_block", "qgz_block", "bucket_bytes"):
             value = getattr(self, name)
+            if value is None and name != "bucket_bytes":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name in ("qwz", "qgz"):
+            block = getattr(self, f"{name}_block")
+            if getattr(self, name) == "int4" and block is not None and block % 2:
+                raise ValueError(
+                    f"{name}_block must be even for int4 (two values per byte), got {block}"
+                )
         if not isinstance(self.hpz, bool):
             raise ValueError(f"hpz must be True or False, got {self.hpz!r}")
         if self.node_size is not None and (
@@ -152,6 +166,11 @@ class Config:
         if unknown:
             raise ValueError(f"unknown zppc.Config fields {unknown}")
         return dataclasses.replace(self, **overrides)
+
+    @property
+    def qwz_block_size(self) -> int:
+        """The qwZ block size in effect."""
+        return self.qwz_block or DEFAULT_BLOCK.get(self.qwz, 0)
 
     @property
     def sharded(self) -> bool:

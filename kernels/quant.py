@@ -1,0 +1,276 @@
+"""Block quantization for quantized collectives (qwZ; qgZ later).
+
+One rank's tensor becomes one flat uint8 *payload* that travels as a single
+collective: first one fp32 scale per block, then the quantized values (int8,
+or int4 packed two per byte, low nibble first; the last block may be partial,
+so a tiny tensor costs its own size plus one scale, not a whole block), padded
+to a multiple of 4 bytes so that every rank's scales stay 4-byte aligned after
+an all-gather.
+
+Symmetric, round to nearest (ties away from zero), q in [-qmax, qmax] with
+qmax 127 (int8) or 7 (int4); scale = absmax / qmax; an all-zero block has
+scale 0 and quantizes to 0 without dividing by zero.
+
+Each operation exists three times, which must agree bit for bit:
+- `*_reference`: pure torch, the definition (and the CPU path, which Inductor fuses);
+- `_*_kernel`: the Triton kernel (GPU; on CPU under TRITON_INTERPRET=1 in tests);
+- `zppc::quantize_pack` / `zppc::unpack_dequantize`: custom ops that graphs call,
+  dispatching to the kernel on CUDA and to the reference elsewhere.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - triton is a Linux dependency
+    HAS_TRITON = False
+
+QMAX = {8: 127, 4: 7}
+
+
+@dataclass(frozen=True)
+class PayloadLayout:
+    """Where things sit in one rank's payload of `numel` values."""
+
+    numel: int
+    block: int
+    bits: int
+
+    def __post_init__(self) -> None:
+        if self.bits not in QMAX:
+            raise ValueError(f"bits must be 8 or 4, got {self.bits}")
+        if self.block <= 0 or (self.bits == 4 and self.block % 2):
+            raise ValueError(f"block must be positive (and even for int4), got {self.block}")
+        if self.numel <= 0:
+            raise ValueError(f"numel must be positive, got {self.numel}")
+
+    @property
+    def nblocks(self) -> int:
+        return math.ceil(self.numel / self.block)
+
+    @property
+    def padded(self) -> int:
+        return self.nblocks * self.block
+
+    @property
+    def scale_bytes(self) -> int:
+        return 4 * self.nblocks
+
+    @property
+    def value_bytes(self) -> int:
+        return self.numel if self.bits == 8 else -(-self.numel // 2)
+
+    @property
+    def nbytes(self) -> int:
+        return -(-(self.scale_bytes + self.value_bytes) // 4) * 4
+
+
+# ----------------------------------------------------------------- reference
+
+
+def quantize_pack_reference(x: Tensor, block: int, bits: int) -> Tensor:
+    layout = PayloadLayout(x.numel(), block, bits)
+    qmax = QMAX[bits]
+    flat = torch.nn.functional.pad(x.reshape(-1).float(), (0, layout.padded - x.numel()))
+    blocks = flat.view(layout.nblocks, block)
+    amax = blocks.abs().amax(dim=1)
+    # Tensor / tensor: `qmax / amax` with a Python scalar goes through a
+    # reciprocal on CPU and rounds twice; the kernel divides exactly (div_rn).
+    inv = torch.where(amax > 0, torch.full_like(amax, qmax) / amax, torch.zeros_like(amax))
+    v = blocks * inv[:, None]
+    q = torch.where(v >= 0, torch.floor(v + 0.5), -torch.floor(-v + 0.5)).clamp(-qmax, qmax)
+    q = q.to(torch.int8).view(-1)[: 2 * layout.value_bytes if bits == 4 else layout.numel]
+    if bits == 4:
+        q = ((q[0::2] & 0xF) | ((q[1::2] & 0xF) << 4)).to(torch.int8)
+    scale = amax / torch.full_like(amax, qmax)
+    tail = layout.nbytes - layout.scale_bytes - layout.value_bytes
+    return torch.cat(
+        [scale.view(torch.uint8), q.view(torch.uint8), q.new_zeros(tail, dtype=torch.uint8)]
+    )
+
+
+def unpack_dequantize_reference(
+    payload: Tensor, world: int, numel: int, block: int, bits: int, dtype: torch.dtype
+) -> Tensor:
+    layout = PayloadLayout(numel, block, bits)
+    rows = payload.view(world, layout.nbytes)
+    scale = rows[:, : layout.scale_bytes].contiguous().view(torch.float32)
+    packed = rows[:, layout.scale_bytes : layout.scale_bytes + layout.value_bytes]
+    if bits == 8:
+        q = packed.contiguous().view(torch.int8)
+    else:
+        low = (packed << 4).view(torch.int8) >> 4
+        high = packed.contiguous().view(torch.int8) >> 4
+        q = torch.stack([low, high], dim=-1).view(world, -1)[:, :numel]
+    q = torch.nn.functional.pad(q.float(), (0, layout.padded - numel))
+    values = q.view(world, layout.nblocks, block) * scale[:, :, None]
+    return values.view(world, layout.padded)[:, :numel].to(dtype).reshape(-1)
+
+
+# --------------------------------------------------------------------- triton
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _quantize_pack_kernel(
+        x_ptr,
+        scale_ptr,
+        value_ptr,
+        numel,
+        BLOCK: tl.constexpr,
+        BLOCK_POW2: tl.constexpr,
+        QMAX_: tl.constexpr,
+        INT4: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        offs = tl.arange(0, BLOCK_POW2)
+        idx = b * BLOCK + offs
+        x = tl.load(x_ptr + idx, mask=(offs < BLOCK) & (idx < numel), other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=0)
+        inv = tl.where(amax > 0, tl.math.div_rn(QMAX_ * 1.0, amax), 0.0)
+        tl.store(scale_ptr + b, tl.math.div_rn(amax, QMAX_ * 1.0))
+        if INT4:
+            half = tl.arange(0, BLOCK_POW2 // 2)
+            pair_mask = half < BLOCK // 2
+            even = b * BLOCK + 2 * half
+            lo = (
+                tl.load(x_ptr + even, mask=pair_mask & (even < numel), other=0.0).to(tl.float32)
+                * inv
+            )
+            hi = (
+                tl.load(x_ptr + even + 1, mask=pair_mask & (even + 1 < numel), other=0.0).to(
+                    tl.float32
+                )
+                * inv
+            )
+            qlo = tl.where(lo >= 0, tl.floor(lo + 0.5), -tl.floor(-lo + 0.5))
+            qhi = tl.where(hi >= 0, tl.floor(hi + 0.5), -tl.floor(-hi + 0.5))
+            qlo = tl.minimum(tl.maximum(qlo, -QMAX_), QMAX_).to(tl.int32)
+            qhi = tl.minimum(tl.maximum(qhi, -QMAX_), QMAX_).to(tl.int32)
+            byte = (qlo & 0xF) | ((qhi & 0xF) << 4)
+            tl.store(
+                value_ptr + b * (BLOCK // 2) + half,
+                byte.to(tl.uint8),
+                mask=pair_mask & (even < numel),
+            )
+        else:
+            v = x * inv
+            q = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(-v + 0.5))
+            q = tl.minimum(tl.maximum(q, -QMAX_), QMAX_)
+            tl.store(value_ptr + idx, q.to(tl.int8), mask=(offs < BLOCK) & (idx < numel))
+
+    @triton.jit
+    def _unpack_dequantize_kernel(
+        payload_ptr,
+        out_ptr,
+        numel,
+        row_bytes,
+        nblocks,
+        BLOCK: tl.constexpr,
+        BLOCK_POW2: tl.constexpr,
+        INT4: tl.constexpr,
+        OUT_BF16: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        rank = tl.program_id(1)
+        row = payload_ptr + rank.to(tl.int64) * row_bytes
+        scale = tl.load(row.to(tl.pointer_type(tl.float32), bitcast=True) + b)
+        values = row + 4 * nblocks
+        offs = tl.arange(0, BLOCK_POW2)
+        idx = b * BLOCK + offs
+        mask = (offs < BLOCK) & (idx < numel)
+        if INT4:
+            byte = tl.load(values + idx // 2, mask=mask, other=0).to(tl.int32)
+            nibble = (byte >> (4 * (idx % 2))) & 0xF
+            q = tl.where(nibble >= 8, nibble - 16, nibble)
+        else:
+            q = tl.load(
+                values.to(tl.pointer_type(tl.int8), bitcast=True) + idx, mask=mask, other=0
+            ).to(tl.int32)
+        out = q.to(tl.float32) * scale
+        if OUT_BF16:
+            # Round to nearest even by hand: the interpreter truncates fp32 -> bf16,
+            # and after this the conversion is exact on every backend.
+            bits = out.to(tl.int32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+            out = bits.to(tl.float32, bitcast=True)
+        tl.store(
+            out_ptr + rank.to(tl.int64) * numel + idx, out.to(out_ptr.dtype.element_ty), mask=mask
+        )
+
+
+def quantize_pack_triton(x: Tensor, block: int, bits: int) -> Tensor:
+    layout = PayloadLayout(x.numel(), block, bits)
+    payload = torch.zeros(layout.nbytes, dtype=torch.uint8, device=x.device)
+    scales = payload[: layout.scale_bytes].view(torch.float32)
+    values = payload[layout.scale_bytes :]
+    _quantize_pack_kernel[(layout.nblocks,)](
+        x.reshape(-1).contiguous(),
+        scales,
+        values,
+        x.numel(),
+        BLOCK=block,
+        BLOCK_POW2=triton.next_power_of_2(block),
+        QMAX_=QMAX[bits],
+        INT4=bits == 4,
+    )
+    return payload
+
+
+def unpack_dequantize_triton(
+    payload: Tensor, world: int, numel: int, block: int, bits: int, dtype: torch.dtype
+) -> Tensor:
+    layout = PayloadLayout(numel, block, bits)
+    out = torch.empty(world * numel, dtype=dtype, device=payload.device)
+    _unpack_dequantize_kernel[(layout.nblocks, world)](
+        payload.contiguous(),
+        out,
+        numel,
+        layout.nbytes,
+        layout.nblocks,
+        BLOCK=block,
+        BLOCK_POW2=triton.next_power_of_2(block),
+        INT4=bits == 4,
+        OUT_BF16=dtype == torch.bfloat16,
+    )
+    return out
+
+
+# ----------------------------------------------------------------- custom ops
+
+
+@torch.library.custom_op("zppc::quantize_pack", mutates_args=())
+def quantize_pack(x: Tensor, block: int, bits: int) -> Tensor:
+    """One rank's payload (scales, then quantized values) for a tensor."""
+    if x.is_cuda and HAS_TRITON:
+        return quantize_pack_triton(x, block, bits)
+    return quantize_pack_reference(x, block, bits)
+
+
+@quantize_pack.register_fake
+def _(x, block, bits):
+    return x.new_empty(PayloadLayout(x.numel(), block, bits).nbytes, dtype=torch.uint8)
+
+
+@torch.library.custom_op("zppc::unpack_dequantize", mutates_args=())
+def unpack_dequantize(
+    payload: Tensor, world: int, numel: int, block: int, bits: int, dtype: torch.dtype
+) -> Tensor:
+    """`world` gathered payloads back to `world * numel` values of `dtype`."""
+    if payload.is_cuda and HAS_TRITON:
+        return unpack_dequantize_triton(payload, world, numel, block, bits, dtype)
+    return unpack_dequantize_reference(payload, world, numel, block, bits, dtype)
+
+
+@unpack_dequantize.register_fake
+def _(payload, world, numel, block, bits, dtype):
+    return payload.new_empty(world * numel, dtype=dtype)
