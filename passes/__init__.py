@@ -16,7 +16,7 @@ from torch import fx
 
 # Every pass zppc knows, in pipeline order. Config.disable_passes is checked
 # against this tuple, so it must not import anything heavy.
-PASS_NAMES = ("dedupe_unshard", "zero", "qwz")
+PASS_NAMES = ("dedupe_unshard", "zero", "qwz", "bucket")
 
 log = logging.getLogger("zppc.passes")
 
@@ -51,6 +51,7 @@ class PassContext:
 
 def build_passes(config) -> list[GraphPass]:
     """The ordered pass list for `config`."""
+    from zppc.passes.bucket import bucket_pass
     from zppc.passes.dedupe import dedupe_unshard_pass
     from zppc.passes.qwz import qwz_pass
     from zppc.passes.zero import zero_pass
@@ -61,6 +62,7 @@ def build_passes(config) -> list[GraphPass]:
     ]
     if config.qwz is not None:
         passes.append(GraphPass("qwz", qwz_pass, ("forward", "backward")))
+    passes.append(GraphPass("bucket", bucket_pass, ("forward", "backward")))
     return [p for p in passes if p.name not in config.disable_passes]
 
 

@@ -64,6 +64,7 @@ def qwz_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         world = group_size(m.group_name)
         payload = b.call(zppc_ops.quantize_pack.default, m.local, block, bits)
         gathered = all_gather(b, payload, m.group_name)
+        gathered.meta[PARAM_GATHER] = True
         dtype = m.local.meta["val"].dtype
         values = b.call(
             zppc_ops.unpack_dequantize.default, gathered, world, m.shard_numel, block, bits, dtype

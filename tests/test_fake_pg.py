@@ -35,7 +35,8 @@ def compile_one_step(config: zppc.Config):
 def test_zero3_schedule_at_scale(fake_world):
     world, rank = fake_world
     node_size = 16 if world > 16 else 4
-    model, inspection = compile_one_step(zppc.Config(node_size=node_size, lowering="eager"))
+    config = zppc.Config(node_size=node_size, lowering="eager", disable_passes=("bucket",))
+    model, inspection = compile_one_step(config)
     state = model._zppc_state
     shard_bytes = {fqn: spec.shard_numel * 4 for fqn, spec in state.specs.items()}
     # Tied embedding: one logical parameter, gathered once per graph.
@@ -66,3 +67,19 @@ def test_padding_for_sizes_smaller_than_the_world(fake_world):
     for fqn, spec in model._zppc_state.specs.items():
         assert spec.shard_numel == math.ceil(spec.numel / world)
         assert model._zppc_state.shard(fqn).numel() == spec.shard_numel
+
+
+@pytest.mark.parametrize("fake_world", [(384, 0)], indirect=True)
+def test_buckets_respect_the_size_limit(fake_world):
+    world, _ = fake_world
+    limit = 64 * 4  # bytes of input per rank: a few of the tiny GPT's shards
+    model, inspection = compile_one_step(
+        zppc.Config(node_size=16, lowering="eager", bucket_bytes=limit)
+    )
+    shard_bytes = [spec.shard_numel * 4 for spec in model._zppc_state.specs.values()]
+    forward = [c for c in inspection.schedule if c.graph == "forward"]
+    # Every parameter is gathered exactly once, in fewer, bounded collectives.
+    assert sum(c.bytes_per_peer for c in forward) == sum(shard_bytes)
+    assert len(forward) < len(shard_bytes)
+    for c in forward:
+        assert c.bytes_per_peer <= max(limit, max(shard_bytes))

@@ -46,9 +46,10 @@ def test_all_ranks_build_identical_graphs(model):
     assert len(set(hashes)) == 1, hashes
 
 
-def test_ledger_matches_formula_and_schedule():
+@pytest.mark.parametrize("bucket", [False, True])
+def test_ledger_matches_formula_and_schedule(bucket):
     world, node_size = 4, 2
-    results = run_ranks(one_step_ledger, world, node_size)
+    results = run_ranks(one_step_ledger, world, node_size, () if bucket else ("bucket",))
     shapes = results[0]["shapes"]
     shard_bytes = {name: math.ceil(math.prod(s) / world) * 4 for name, s in shapes.items()}
     # Forward gathers every weight, backward re-gathers those needed for input
@@ -62,8 +63,17 @@ def test_ledger_matches_formula_and_schedule():
         assert stats["by_kind"] == {"all_gather": 3 * gathered, "reduce_scatter": 3 * scattered}
         assert stats["intra_node_bytes"] == gathered + scattered
         assert stats["inter_node_bytes"] == 2 * (gathered + scattered)
-        assert stats["calls"] == {"all_gather": 5, "reduce_scatter": 3}
         schedule = result["schedule"]
         assert sum(c[2] for c in schedule) == stats["intra_node_bytes"]
         assert sum(c[3] for c in schedule) == stats["inter_node_bytes"]
-        assert [c[1] for c in schedule if c[0] == "forward"] == ["all_gather"] * 3
+        if bucket:
+            # One bucket per graph and kind: same bytes, 3 collectives instead of 8.
+            assert stats["calls"] == {"all_gather": 2, "reduce_scatter": 1}
+            assert [c[:2] for c in schedule] == [
+                ("forward", "all_gather"),
+                ("backward", "all_gather"),
+                ("backward", "reduce_scatter"),
+            ]
+        else:
+            assert stats["calls"] == {"all_gather": 5, "reduce_scatter": 3}
+            assert [c[1] for c in schedule if c[0] == "forward"] == ["all_gather"] * 3

@@ -1,0 +1,131 @@
+"""Loss curves of the small GPT trained with zero3, with and without qwZ.
+
+    torchrun --nproc-per-node 4 benchmarks/qwz_accuracy.py --node-size 2 --steps 200
+
+Every configuration trains from the same initial weights on the same batches
+(byte-level Python standard library source). Writes a markdown table to
+stdout, and `qwz_accuracy.json` and `qwz_accuracy.png` into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import zppc
+from zppc.data import random_windows, stdlib_corpus
+from zppc.models import GPT, PRESETS
+
+CONFIGS = {"zero3": None, "zero3 + qwz int8": "int8", "zero3 + qwz int4": "int4"}
+
+
+def train(qwz, args, data, rank, world) -> dict:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = zppc.distribute(
+        GPT(PRESETS[args.preset]),
+        zppc.Config(qwz=qwz, node_size=args.node_size, lowering=args.lowering),
+    )
+    step = torch.compile(model, backend="zppc")
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    batches = random_windows(data, args.batch_size, args.block, seed=1000 + rank)
+    losses, start = [], None
+    zppc.reset_comm_stats()
+    for i in range(args.steps):
+        if i == 1:
+            start = time.perf_counter()
+        loss = step(*next(batches))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        value = loss.detach()
+        dist.all_reduce(value)
+        losses.append(value.item() / world)
+        if rank == 0 and (i + 1) % 50 == 0:
+            print(f"  {qwz or 'none'} step {i + 1}: loss {losses[-1]:.4f}", flush=True)
+    seconds = (time.perf_counter() - start) / max(1, args.steps - 1)
+    stats = zppc.comm_stats()
+    return {
+        "losses": losses,
+        "step_seconds": seconds,
+        "all_gather_bytes": stats.by_kind.get("all_gather", 0),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--preset", default="gpt-small", choices=sorted(PRESETS))
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--block", type=int, default=128)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--node-size", type=int, default=None)
+    p.add_argument("--lowering", default="eager", choices=["eager", "inductor"])
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = p.parse_args()
+    torch.set_num_threads(
+        max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    )
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = stdlib_corpus(8 << 20)
+    results = {}
+    for label, qwz in CONFIGS.items():
+        if rank == 0:
+            print(f"{label}:", flush=True)
+        results[label] = train(qwz, args, data, rank, world)
+    if rank == 0:
+        report(results, args, world)
+    dist.destroy_process_group()
+
+
+def report(results: dict, args, world: int) -> None:
+    base = results["zero3"]
+    tail = max(1, args.steps // 10)
+
+    def final(r):
+        return sum(r["losses"][-tail:]) / tail
+
+    print(
+        f"\n{args.preset}, {args.steps} steps, {world} ranks; final = mean of the last {tail} steps\n"
+    )
+    print(
+        "| configuration | final loss | vs zero3 | all-gather bytes (rank 0) | vs zero3 | s/step |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    for label, r in results.items():
+        print(
+            f"| {label} | {final(r):.4f} | {final(r) / final(base) - 1:+.2%} | {r['all_gather_bytes'] / 2**20:,.1f} MB "
+            f"| {r['all_gather_bytes'] / base['all_gather_bytes']:.3f} | {r['step_seconds']:.3f} |"
+        )
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "qwz_accuracy.json").write_text(
+        json.dumps({"args": vars(args) | {"out": str(args.out)}, "results": results}, indent=1)
+    )
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, r in results.items():
+        ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=label, linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (mean over ranks)")
+    ax.set_title(f"{args.preset}: zero3 with and without qwZ ({world} ranks)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.out / "qwz_accuracy.png", dpi=120)
+    print(f"\nwrote {args.out / 'qwz_accuracy.json'} and {args.out / 'qwz_accuracy.png'}")
+
+
+if __name__ == "__main__":
+    main()

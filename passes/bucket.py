@@ -1,0 +1,207 @@
+"""The `bucket` pass: coalesce small collectives into flat buckets.
+
+Requires: `zero` (and `qwz` when enabled): collectives in the form
+`c = collective(input) ; w = wait(c) ; record_comm(w, kind, group)`.
+
+Rewrite: consecutive collectives of one kind, group and dtype are grouped, in
+graph order, into buckets of at most `Config.bucket_bytes` input bytes (a
+collective larger than that is a bucket of its own). Each bucket becomes one
+collective over the concatenated inputs:
+
+- parameter all-gathers (forward, and the backward re-gather): issued where the
+  bucket's first member was (the inputs, which depend only on the shards, are
+  hoisted there), so later members are prefetched; each member's result is
+  its [world, n] column block of the gathered [world, sum n], made contiguous.
+- reduce-scatters and all-reduces: issued where the bucket's last member was,
+  once every input exists; reduce-scatter inputs are laid out rank-major
+  ([world, sum n]) so each rank receives its shard of every member. The users
+  of members' results move below the bucket.
+
+Every rank buckets identically (graph order and sizes only). Numerics:
+unchanged; each element is reduced with the same peers in the same dtype.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from zppc.passes.graph_utils import GraphBuilder
+from zppc.passes.zero import PARAM_GATHER, collective, flatten_padded
+from zppc.runtime.topology import group_size
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+RECORD = torch.ops.zppc.record_comm.default
+
+
+@dataclass(frozen=True)
+class CollectiveMatch:
+    """One lowered collective: issue, wait and ledger hook."""
+
+    issue: fx.Node
+    wait: fx.Node
+    record: fx.Node
+    kind: str
+    group_name: str
+
+    @property
+    def input(self) -> fx.Node:
+        return self.issue.args[0]
+
+    @property
+    def input_bytes(self) -> int:
+        val = self.input.meta["val"]
+        return val.numel() * val.element_size()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.input.meta["val"].dtype
+
+
+def find_collectives(graph: fx.Graph) -> list[CollectiveMatch]:
+    matches = []
+    for record in graph.find_nodes(op="call_function", target=RECORD):
+        wait, kind, group_name = record.args
+        if kind == "all_gather" and not wait.meta.get(PARAM_GATHER):
+            continue
+        if kind in ("all_gather", "reduce_scatter", "all_reduce"):
+            matches.append(CollectiveMatch(wait.args[0], wait, record, kind, group_name))
+    return matches
+
+
+def plan_buckets(matches: list[CollectiveMatch], bucket_bytes: int) -> list[list[CollectiveMatch]]:
+    """Greedy, in graph order: a bucket closes when the next member would not fit."""
+    buckets: list[list[CollectiveMatch]] = []
+    open_by_key: dict[tuple, list[CollectiveMatch]] = {}
+    for m in matches:
+        key = (m.kind, m.group_name, m.dtype)
+        current = open_by_key.get(key)
+        if current is None or sum(x.input_bytes for x in current) + m.input_bytes > bucket_bytes:
+            current = []
+            buckets.append(current)
+            open_by_key[key] = current
+        current.append(m)
+    return [b for b in buckets if len(b) > 1]
+
+
+def bucket_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    for bucket in plan_buckets(find_collectives(gm.graph), ctx.config.bucket_bytes):
+        if bucket[0].kind == "all_gather":
+            _gather_bucket(gm, bucket)
+        else:
+            _reduce_bucket(gm, bucket)
+    return gm
+
+
+def _positions(graph: fx.Graph) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def _hoist(node: fx.Node, before: fx.Node, pos: dict[fx.Node, int]) -> None:
+    """Move `node`, and the inputs it needs, above `before` (gather inputs depend
+    on graph inputs only: shards and their casts or quantization)."""
+    if node.op != "call_function" or pos[node] < pos[before]:
+        return
+    for inp in node.all_input_nodes:
+        _hoist(inp, before, pos)
+    before.prepend(node)
+    pos[node] = pos[before] - 0.5
+
+
+def _sink_users(node: fx.Node) -> None:
+    """Move the transitive users of `node` that sit above it to just below it,
+    keeping their relative order (their other inputs are all above them)."""
+    pos = _positions(node.graph)
+    above: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        for user in stack.pop().users:
+            if user.op != "output" and pos[user] < pos[node] and user not in above:
+                above.add(user)
+                stack.append(user)
+    cursor = node
+    for user in sorted(above, key=pos.__getitem__):
+        cursor.append(user)
+        cursor = user
+
+
+def _replace_member(m: CollectiveMatch, result: fx.Node) -> None:
+    m.wait.replace_all_uses_with(result, delete_user_cb=lambda user: user is not m.record)
+    graph = m.issue.graph
+    for node in (m.record, m.wait, m.issue):
+        graph.erase_node(node)
+
+
+def _gather_bucket(gm: fx.GraphModule, bucket: list[CollectiveMatch]) -> None:
+    first = bucket[0]
+    pos = _positions(gm.graph)
+    for m in bucket:
+        _hoist(m.input, first.issue, pos)
+    b = GraphBuilder(gm, first.issue)
+    world = group_size(first.group_name)
+    sizes = [m.input.meta["val"].numel() for m in bucket]
+    flat = b.call(aten.cat.default, [m.input for m in bucket])
+    gathered = collective(
+        b,
+        "all_gather",
+        first.group_name,
+        c10d.all_gather_into_tensor.default,
+        flat,
+        world,
+        first.group_name,
+    )
+    gathered.meta[PARAM_GATHER] = True
+    columns = b.call(
+        aten.split_with_sizes.default,
+        b.call(aten.view.default, gathered, [world, sum(sizes)]),
+        sizes,
+        1,
+    )
+    results = []
+    for i in range(len(bucket)):
+        column = b.call(operator.getitem, columns, i)
+        contiguous = b.call(aten.clone.default, column, memory_format=torch.contiguous_format)
+        results.append(b.call(aten.view.default, contiguous, [-1]))
+    # Replace only once every new node exists: replacing erases the anchor.
+    for m, result in zip(bucket, results, strict=True):
+        _replace_member(m, result)
+
+
+def _reduce_bucket(gm: fx.GraphModule, bucket: list[CollectiveMatch]) -> None:
+    last = bucket[-1]
+    b = GraphBuilder(gm, last.issue)
+    group_name, kind = last.group_name, last.kind
+    world = group_size(group_name)
+    sizes = [m.input.meta["val"].numel() for m in bucket]
+    if kind == "reduce_scatter":
+        # Rank-major: row r holds every member's slice for rank r.
+        rows = [
+            b.call(aten.view.default, m.input, [world, n // world])
+            for m, n in zip(bucket, sizes, strict=True)
+        ]
+        flat = b.call(aten.view.default, b.call(aten.cat.default, rows, 1), [-1])
+        reduced = collective(
+            b, kind, group_name, c10d.reduce_scatter_tensor.default, flat, "sum", world, group_name
+        )
+        sizes = [n // world for n in sizes]
+    else:
+        flats = [flatten_padded(b, m.input, n) for m, n in zip(bucket, sizes, strict=True)]
+        reduced = collective(
+            b,
+            kind,
+            group_name,
+            c10d.all_reduce.default,
+            b.call(aten.cat.default, flats),
+            "sum",
+            group_name,
+        )
+    pieces = b.call(aten.split_with_sizes.default, reduced, sizes)
+    for i, m in enumerate(bucket):
+        result = b.call(
+            aten.view.default, b.call(operator.getitem, pieces, i), list(m.wait.meta["val"].shape)
+        )
+        _replace_member(m, result)
+        _sink_users(result)

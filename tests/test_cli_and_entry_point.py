@@ -1,0 +1,60 @@
+"""The installed entry points: backend="zppc" without importing zppc, and the CLI."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from zppc.cli import main
+
+pytestmark = pytest.mark.timeout(300)
+
+NO_IMPORT = """
+import torch
+model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh())
+x = torch.randn(2, 4)
+out = torch.compile(model, backend="zppc", options={"lowering": "eager"})(x)
+assert torch.allclose(out, model(x))
+import sys
+print("zppc imported by dynamo:", "zppc" in sys.modules)
+"""
+
+
+def test_backend_is_found_by_entry_point_in_a_fresh_interpreter():
+    done = subprocess.run([sys.executable, "-c", NO_IMPORT], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "zppc imported by dynamo: True" in done.stdout
+
+
+def test_console_script_prints_version():
+    done = subprocess.run([sys.executable, "-m", "zppc", "--version"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "0.1.0"
+
+
+def test_schedule_at_384_ranks(capsys):
+    assert main(["schedule", "gpt-tiny", "--world-size", "384", "--node-size", "16", "--format", "json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows, totals = report["collectives"], report["totals"]
+    assert {r["group_size"] for r in rows} == {384}
+    assert [r["kind"] for r in rows if r["graph"] == "forward"] == ["all_gather"]  # one bucket
+    assert totals["inter_node_bytes"] == sum(r["inter_node_bytes"] for r in rows)
+    # 15 of 383 peers share the node.
+    for r in rows:
+        assert r["intra_node_bytes"] * (384 - 16) == r["inter_node_bytes"] * 15
+
+
+def test_schedule_qwz_moves_fewer_bytes(capsys):
+    sizes = {}
+    for qwz in (None, "int8"):
+        args = ["schedule", "gpt-tiny", "--world-size", "64", "--node-size", "8", "--format", "json"]
+        assert main(args + (["--qwz", qwz] if qwz else [])) == 0
+        rows = json.loads(capsys.readouterr().out)["collectives"]
+        sizes[qwz] = sum(r["bytes_per_peer"] for r in rows if r["kind"] == "all_gather")
+    assert 0.25 <= sizes["int8"] / sizes[None] <= 0.27
+
+
+def test_schedule_rejects_bad_sizes():
+    with pytest.raises(SystemExit, match="node-size"):
+        main(["schedule", "gpt-tiny", "--world-size", "4", "--node-size", "8"])

@@ -1,0 +1,5 @@
+import sys
+
+from zppc.cli import main
+
+sys.exit(main())
