@@ -22,19 +22,28 @@ print("zppc imported by dynamo:", "zppc" in sys.modules)
 
 
 def test_backend_is_found_by_entry_point_in_a_fresh_interpreter():
-    done = subprocess.run([sys.executable, "-c", NO_IMPORT], capture_output=True, text=True, timeout=240)
+    done = subprocess.run(
+        [sys.executable, "-c", NO_IMPORT], capture_output=True, text=True, timeout=240
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "zppc imported by dynamo: True" in done.stdout
 
 
 def test_console_script_prints_version():
-    done = subprocess.run([sys.executable, "-m", "zppc", "--version"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "zppc", "--version"], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "0.1.0"
 
 
 def test_schedule_at_384_ranks(capsys):
-    assert main(["schedule", "gpt-tiny", "--world-size", "384", "--node-size", "16", "--format", "json"]) == 0
+    assert (
+        main(
+            ["schedule", "gpt-tiny", "--world-size", "384", "--node-size", "16", "--format", "json"]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     rows, totals = report["collectives"], report["totals"]
     assert {r["group_size"] for r in rows} == {384}
@@ -48,11 +57,21 @@ def test_schedule_at_384_ranks(capsys):
 def test_schedule_qwz_moves_fewer_bytes(capsys):
     sizes = {}
     for qwz in (None, "int8"):
-        args = ["schedule", "gpt-tiny", "--world-size", "64", "--node-size", "8", "--format", "json"]
+        args = [
+            "schedule",
+            "gpt-small",
+            "--world-size",
+            "64",
+            "--node-size",
+            "8",
+            "--format",
+            "json",
+        ]
         assert main(args + (["--qwz", qwz] if qwz else [])) == 0
         rows = json.loads(capsys.readouterr().out)["collectives"]
         sizes[qwz] = sum(r["bytes_per_peer"] for r in rows if r["kind"] == "all_gather")
-    assert 0.25 <= sizes["int8"] / sizes[None] <= 0.27
+    # A quarter of fp32, plus one fp32 scale per block and 4-byte alignment.
+    assert 0.25 <= sizes["int8"] / sizes[None] <= 0.26
 
 
 def test_schedule_rejects_bad_sizes():

@@ -25,9 +25,13 @@ def _schedule(args: argparse.Namespace) -> int:
     from zppc.models import GPT, PRESETS
 
     if args.node_size > args.world_size:
-        raise SystemExit(f"zppc schedule: --node-size ({args.node_size}) exceeds --world-size ({args.world_size})")
+        raise SystemExit(
+            f"zppc schedule: --node-size ({args.node_size}) exceeds --world-size ({args.world_size})"
+        )
     if not 0 <= args.rank < args.world_size:
-        raise SystemExit(f"zppc schedule: --rank must be in [0, {args.world_size}), got {args.rank}")
+        raise SystemExit(
+            f"zppc schedule: --rank must be in [0, {args.world_size}), got {args.rank}"
+        )
     config = zppc.Config(
         strategy=args.strategy,
         qwz=args.qwz,
@@ -78,7 +82,9 @@ def _schedule(args: argparse.Namespace) -> int:
                     "dur": duration,
                     "pid": args.rank,
                     "tid": r["graph"],
-                    "args": {k: r[k] for k in ("intra_node_bytes", "inter_node_bytes", "bytes_per_peer")},
+                    "args": {
+                        k: r[k] for k in ("intra_node_bytes", "inter_node_bytes", "bytes_per_peer")
+                    },
                 }
             )
             clock += duration
@@ -90,7 +96,9 @@ def _schedule(args: argparse.Namespace) -> int:
             f"{' + qwz ' + args.qwz if args.qwz else ''}, world {args.world_size}, node {args.node_size}, "
             f"rank {args.rank}; links {args.intra_gbps:g} Gbit/s intra, {args.inter_gbps:g} Gbit/s inter"
         )
-        print(f"{'graph':9s} {'#':>3s} {'kind':15s} {'ranks':>5s} {'per peer':>12s} {'intra':>14s} {'inter':>14s} {'ms':>9s}")
+        print(
+            f"{'graph':9s} {'#':>3s} {'kind':15s} {'ranks':>5s} {'per peer':>12s} {'intra':>14s} {'inter':>14s} {'ms':>9s}"
+        )
         for r in rows:
             print(
                 f"{r['graph']:9s} {r['index']:3d} {r['kind']:15s} {r['group_size']:5d} {r['bytes_per_peer']:12,d} "
@@ -107,7 +115,9 @@ def _schedule(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     from zppc.models import PRESETS
 
-    parser = argparse.ArgumentParser(prog="zppc", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="zppc", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command")
     s = sub.add_parser("schedule", help="the communication schedule of one training step")

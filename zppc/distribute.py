@@ -117,8 +117,6 @@ def distribute(model: nn.Module, config: Config | None = None) -> nn.Module:
 
     topology = Topology(world_size=world, node_size=node_size)
     groups = setup_groups(topology)  # first collective
-    _materialize_meta(model)
-    _broadcast_from_rank0(model)
 
     state = DistributedState(config=config, topology=topology, groups=groups)
     by_param: dict[int, str] = {}
@@ -140,13 +138,21 @@ def distribute(model: nn.Module, config: Config | None = None) -> nn.Module:
                 state.owners[fqn] = []
             state.owners[by_param[id(param)]].append((module, name))
 
-    for fqn, spec in state.specs.items():
-        first_module, first_name = state.owners[fqn][0]
-        param = first_module._parameters[first_name]
-        shard = nn.Parameter(spec.shard_of(param.data, rank), requires_grad=param.requires_grad)
-        for module, name in state.owners[fqn]:
-            _replace_with_property(module, name, shard, spec)
-        _STATE_OF_SHARD[id(shard)] = (weakref.ref(shard), state)
+    # Module by module, so that a model built on the meta device never exists in
+    # full on any rank: materialize, take rank 0's values, keep this rank's shard.
+    first_owner = {id(module): [] for module, _ in (o[0] for o in state.owners.values())}
+    for fqn, owners in state.owners.items():
+        first_owner[id(owners[0][0])].append(fqn)
+    for _, module in model.named_modules():
+        _materialize_meta(module)
+        _broadcast_from_rank0(module)
+        for fqn in first_owner.get(id(module), ()):
+            spec = state.specs[fqn]
+            param = module._parameters[state.owners[fqn][0][1]]
+            shard = nn.Parameter(spec.shard_of(param.data, rank), requires_grad=param.requires_grad)
+            for owner, name in state.owners[fqn]:
+                _replace_with_property(owner, name, shard, spec)
+            _STATE_OF_SHARD[id(shard)] = (weakref.ref(shard), state)
     model._zppc_state = state
     return model
 
@@ -171,6 +177,7 @@ def _check_model(model: nn.Module) -> None:
                 raise ValueError(
                     f"{name}.{pname}{SHARD_SUFFIX} already exists; zppc needs that name"
                 )
+    _check_meta(model)
     devices = {p.device.type for p in model.parameters()} - {"meta"}
     if len(devices) > 1:
         raise ValueError(f"all parameters must be on one device type, found {sorted(devices)}")
@@ -181,30 +188,52 @@ def _check_model(model: nn.Module) -> None:
             )
 
 
-def _materialize_meta(model: nn.Module) -> None:
-    """Give meta-device modules real storage and their own initialization; the
-    broadcast that follows makes every rank hold rank 0's values."""
-    device = torch.device("cpu")
-    if dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
+def _own_tensors(module: nn.Module) -> list[Tensor]:
+    return [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+
+
+def _check_meta(model: nn.Module) -> None:
+    """A meta-device module must be able to initialize itself, and must not share
+    a parameter it does not own first (materializing would untie it)."""
+    first_seen: dict[int, nn.Module] = {}
     for name, module in model.named_modules():
-        own = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
-        if not any(t.is_meta for t in own):
-            continue
+        own = _own_tensors(module)
+        for t in own:
+            first_seen.setdefault(id(t), module)
+        mine = [t for t in own if t.is_meta and first_seen[id(t)] is module]
+        if not mine:
+            continue  # nothing of its own to materialize (shared tensors come sharded)
         if not hasattr(module, "reset_parameters"):
             raise ValueError(
                 f"module {name!r} ({type(module).__name__}) is on the meta device and has no "
                 f"reset_parameters() to initialize it"
             )
-        module.to_empty(device=device, recurse=False)
-        with torch.no_grad():
-            module.reset_parameters()
+        if any(first_seen[id(t)] is not module for t in own):
+            raise ValueError(
+                f"module {name!r} is on the meta device and shares a parameter owned by an earlier "
+                f"module; build tied models on a real device or tie only whole parameters of "
+                f"self-initializing modules"
+            )
+
+
+def _materialize_meta(module: nn.Module) -> None:
+    """Real storage and the module's own initialization for a meta-device module
+    (checked beforehand by `_check_meta`; tensors it shares are sharded by now)."""
+    if not any(t.is_meta for t in _own_tensors(module)):
+        return
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    module.to_empty(device=device, recurse=False)
+    with torch.no_grad():
+        module.reset_parameters()
 
 
 @torch.no_grad()
-def _broadcast_from_rank0(model: nn.Module) -> None:
-    """One flat broadcast per dtype, so that every rank starts from rank 0's weights."""
-    tensors = list({id(t): t for t in [*model.parameters(), *model.buffers()]}.values())
+def _broadcast_from_rank0(module: nn.Module) -> None:
+    """One flat broadcast per dtype of a module's own tensors, so that every rank
+    starts from rank 0's values (shards already taken are left alone)."""
+    tensors = [t for t in _own_tensors(module) if state_of_shard(t) is None]
     by_dtype: dict[torch.dtype, list[Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
