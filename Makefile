@@ -3,14 +3,14 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint format clean
+.PHONY: demo test lint format clean bench bench-quick
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned, so nothing else can pull a different (CUDA) build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,bench]'
 	touch $@
 
 demo: $(VENV)/.installed
@@ -19,6 +19,15 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# The emulated multi-node benchmark (root, iproute2): DDP, FSDP2, DeepSpeed, zppc.
+bench: $(VENV)/.installed
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) benchmarks/run.py --nodes 2 --ranks-per-node 2 --inter-bw 1gbit,100mbit --steps 20
+
+bench-quick: $(VENV)/.installed
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) benchmarks/run.py --quick
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

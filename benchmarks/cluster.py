@@ -1,0 +1,241 @@
+"""An emulated cluster of K nodes on one Linux machine.
+
+One network namespace per node, each joined to a bridge in the root namespace
+by a veth pair whose in-node end is shaped with `tc` (bandwidth, optional
+latency). Ranks inside a node talk over its loopback (the fast "intra-node"
+path); ranks on different nodes cross the shaped veth (the slow "inter-node"
+link). The root-side veth counters give the bytes that really left each node,
+independently of zppc's ledger. Needs root and iproute2; everything created is
+removed on exit, error or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+def require_privileges() -> None:
+    """Refuse early, with a message that says what is missing."""
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        raise ClusterError(f"the emulated cluster needs {' and '.join(missing)} (package iproute2)")
+    if os.geteuid() != 0:
+        raise ClusterError(
+            "the emulated cluster needs root (it creates network namespaces and shapes links)"
+        )
+
+
+def _run(*args: str) -> None:
+    done = subprocess.run(args, capture_output=True, text=True)
+    if done.returncode:
+        raise ClusterError(f"{' '.join(args)} failed: {done.stderr.strip()}")
+
+
+@dataclass
+class EmulatedCluster:
+    """`with EmulatedCluster(nodes=2, rate="1gbit") as c:` then `c.launch(...)`."""
+
+    nodes: int
+    rate: str
+    latency: str | None = None
+    tag: str = field(default_factory=lambda: f"{os.getpid() % 10000}")
+    subnet: str = "10.213.77"
+    created: list[tuple[str, str]] = field(default_factory=list)
+
+    def namespace(self, node: int) -> str:
+        return f"zppc{self.tag}n{node}"
+
+    def node_link(self, node: int) -> str:
+        return f"zp{self.tag}n{node}"  # inside the node, shaped
+
+    def root_link(self, node: int) -> str:
+        return f"zv{self.tag}n{node}"  # root side, counted
+
+    def address(self, node: int) -> str:
+        return f"{self.subnet}.{node + 1}"
+
+    @property
+    def bridge(self) -> str:
+        return f"zbr{self.tag}"
+
+    def __enter__(self) -> EmulatedCluster:
+        require_privileges()
+        self._old_handlers = {
+            s: signal.signal(s, self._interrupted) for s in (signal.SIGINT, signal.SIGTERM)
+        }
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _interrupted(self, signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    def _build(self) -> None:
+        _run("ip", "link", "add", self.bridge, "type", "bridge")
+        self.created.append(("link", self.bridge))
+        _run("ip", "link", "set", self.bridge, "up")
+        for node in range(self.nodes):
+            ns, inner, outer = self.namespace(node), self.node_link(node), self.root_link(node)
+            _run("ip", "netns", "add", ns)
+            self.created.append(("netns", ns))
+            _run("ip", "link", "add", outer, "type", "veth", "peer", "name", inner)
+            self.created.append(("link", outer))
+            _run("ip", "link", "set", inner, "netns", ns)
+            _run("ip", "link", "set", outer, "master", self.bridge)
+            _run("ip", "link", "set", outer, "up")
+            in_ns = ("ip", "netns", "exec", ns)
+            _run(*in_ns, "ip", "addr", "add", f"{self.address(node)}/24", "dev", inner)
+            _run(*in_ns, "ip", "link", "set", inner, "up")
+            _run(*in_ns, "ip", "link", "set", "lo", "up")
+            tbf = ("tbf", "rate", self.rate, "burst", "64kb", "latency", "100ms")
+            if self.latency:
+                _run(
+                    *in_ns,
+                    "tc",
+                    "qdisc",
+                    "add",
+                    "dev",
+                    inner,
+                    "root",
+                    "handle",
+                    "1:",
+                    "netem",
+                    "delay",
+                    self.latency,
+                )
+                _run(
+                    *in_ns,
+                    "tc",
+                    "qdisc",
+                    "add",
+                    "dev",
+                    inner,
+                    "parent",
+                    "1:1",
+                    "handle",
+                    "10:",
+                    *tbf,
+                )
+            else:
+                _run(*in_ns, "tc", "qdisc", "add", "dev", inner, "root", *tbf)
+
+    def close(self) -> None:
+        for kind, name in reversed(self.created):
+            cmd = ("ip", "netns", "del", name) if kind == "netns" else ("ip", "link", "del", name)
+            subprocess.run(cmd, capture_output=True)
+        self.created.clear()
+        for sig, handler in getattr(self, "_old_handlers", {}).items():
+            signal.signal(sig, handler)
+
+    def exists(self) -> bool:
+        """Whether any of this cluster's namespaces is still there."""
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        return any(self.namespace(n) in listed for n in range(self.nodes))
+
+    def bytes_left_nodes(self) -> int:
+        """Bytes that have left all nodes so far (root-side veth receive counters)."""
+        total = 0
+        for node in range(self.nodes):
+            with open(f"/sys/class/net/{self.root_link(node)}/statistics/rx_bytes") as f:
+                total += int(f.read())
+        return total
+
+    def exec_args(self, node: int, env: dict[str, str]) -> list[str]:
+        """Command prefix that runs inside `node` with gloo bound to its link."""
+        assignments = [
+            f"{k}={v}" for k, v in {**env, "GLOO_SOCKET_IFNAME": self.node_link(node)}.items()
+        ]
+        return ["ip", "netns", "exec", self.namespace(node), "env", *assignments]
+
+    def measure_link(self, nbytes: int = 4 << 20) -> float:
+        """Bits per second measured by sending `nbytes` from node 0 to node 1
+        (timed on the receiver, from first to last byte)."""
+        port = 29000 + int(self.tag) % 1000
+        receiver = (
+            "import socket,time\n"
+            f"s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);s.bind(('{self.address(1)}',{port}));s.listen(1)\n"
+            "c,_=s.accept();n=0;t0=None\n"
+            "while True:\n"
+            " d=c.recv(1<<20)\n"
+            " if not d: break\n"
+            " t0=t0 or time.perf_counter();n+=len(d)\n"
+            "print(n,time.perf_counter()-t0)\n"
+        )
+        sender = (
+            "import socket,time\n"
+            "for _ in range(100):\n"
+            " try:\n"
+            f"  s=socket.create_connection(('{self.address(1)}',{port}),timeout=10);break\n"
+            " except OSError: time.sleep(0.05)\n"
+            f"s.sendall(b'x'*{nbytes});s.close()\n"
+        )
+        recv = subprocess.Popen(
+            ["ip", "netns", "exec", self.namespace(1), "python3", "-c", receiver],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        _run("ip", "netns", "exec", self.namespace(0), "python3", "-c", sender)
+        out, _ = recv.communicate(timeout=120)
+        received, seconds = out.split()
+        return int(received) * 8 / float(seconds)
+
+    def launch(
+        self, ranks_per_node: int, script: list[str], env: dict[str, str], timeout: float
+    ) -> list[str]:
+        """Run `torchrun --nnodes K` in every node; return each node's output."""
+        port = "29511"  # the namespaces are fresh: nothing else listens there
+        procs = []
+        for node in range(self.nodes):
+            cmd = [
+                *self.exec_args(node, env),
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nnodes={self.nodes}",
+                f"--node-rank={node}",
+                f"--nproc-per-node={ranks_per_node}",
+                f"--master-addr={self.address(0)}",
+                f"--master-port={port}",
+                *script,
+            ]
+            procs.append(
+                subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            )
+        outputs = [""] * len(procs)
+
+        def drain(i: int) -> None:
+            outputs[i] = procs[i].communicate()[0]
+
+        threads = [
+            threading.Thread(target=drain, args=(i,), daemon=True) for i in range(len(procs))
+        ]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + timeout
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in threads):
+            for p in procs:
+                p.kill()
+            raise ClusterError(f"the job did not finish within {timeout:.0f}s")
+        failed = [i for i, p in enumerate(procs) if p.returncode]
+        if failed:
+            raise ClusterError(f"node {failed[0]} failed:\n{outputs[failed[0]][-4000:]}")
+        return outputs

@@ -1,0 +1,218 @@
+"""zppc and its peers side by side on an emulated multi-node cluster.
+
+    sudo python benchmarks/run.py --nodes 2 --ranks-per-node 2 --inter-bw 1gbit,100mbit --steps 20
+    sudo python benchmarks/run.py --quick          # a couple of minutes: checks the harness
+
+For each link speed, builds the cluster (benchmarks/cluster.py), measures the
+shaped link, then runs every configuration (benchmarks/worker.py) with the same
+model, data, seed and steps. Configurations that cannot run here are listed
+with the reason, never skipped silently. Prints a markdown table and writes
+bench.json and bench.png into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from cluster import ClusterError, EmulatedCluster, require_privileges  # noqa: E402
+from worker import CONFIGS, why_not_runnable  # noqa: E402
+
+QUICK_CONFIGS = ["torch-ddp", "torch-fsdp2", "zppc-zero3", "zppc-zero3-qwz-int8"]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--ranks-per-node", type=int, default=2)
+    p.add_argument(
+        "--inter-bw", default="1gbit,100mbit", help="comma-separated tc rates, e.g. 1gbit,100mbit"
+    )
+    p.add_argument("--latency", default=None, help="added one-way latency, e.g. 1ms")
+    p.add_argument("--model", default="gpt-small")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--block", type=int, default=128)
+    p.add_argument("--lowering", default="eager", choices=["eager", "inductor"])
+    p.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help="comma-separated subset of: " + ", ".join(CONFIGS),
+    )
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per configuration")
+    p.add_argument("--out", type=Path, default=HERE / "results")
+    p.add_argument(
+        "--quick", action="store_true", help="tiny model, 3 steps, 4 configurations, 100mbit"
+    )
+    args = p.parse_args(argv)
+    if args.quick:
+        args.model, args.steps, args.warmup, args.block = "gpt-tiny", 3, 1, 32
+        args.inter_bw, args.configs = "100mbit", ",".join(QUICK_CONFIGS + ["zppc-zero3-hpz"])
+    unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
+    if unknown:
+        p.error(f"unknown configurations {unknown}")
+    return args
+
+
+def rate_bits(rate: str) -> float:
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+    for unit, scale in units.items():
+        if rate.lower().endswith(unit):
+            return float(rate[: -len(unit)]) * scale
+    raise ValueError(f"rate must end in kbit, mbit or gbit, got {rate!r}")
+
+
+def run_config(cluster: EmulatedCluster, name: str, args) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        result_path = Path(tmp) / "result.json"
+        script = [
+            str(HERE / "worker.py"),
+            f"--config={name}",
+            f"--preset={args.model}",
+            f"--steps={args.steps}",
+            f"--warmup={args.warmup}",
+            f"--batch-size={args.batch_size}",
+            f"--block={args.block}",
+            f"--lowering={args.lowering}",
+            f"--result={result_path}",
+        ]
+        before = cluster.bytes_left_nodes()
+        start = time.monotonic()
+        cluster.launch(
+            args.ranks_per_node, script, env={"PYTHONUNBUFFERED": "1"}, timeout=args.timeout
+        )
+        result = json.loads(result_path.read_text())
+        result["wall_seconds"] = time.monotonic() - start
+        result["link_bytes_whole_job"] = cluster.bytes_left_nodes() - before
+        return result
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        require_privileges()
+    except ClusterError as exc:
+        print(f"benchmarks/run.py: {exc}", file=sys.stderr)
+        return 2
+    names = args.configs.split(",")
+    report = {"args": {k: str(v) for k, v in vars(args).items()}, "links": []}
+    for rate in args.inter_bw.split(","):
+        with EmulatedCluster(nodes=args.nodes, rate=rate, latency=args.latency) as cluster:
+            measured = cluster.measure_link()
+            link = {
+                "rate": rate,
+                "set_bits_per_second": rate_bits(rate),
+                "measured_bits_per_second": measured,
+                "rows": [],
+            }
+            print(f"link {rate}: measured {measured / 1e6:,.1f} Mbit/s", flush=True)
+            for name in names:
+                reason = why_not_runnable(name)
+                if reason:
+                    link["rows"].append({"config": name, "status": f"not runnable: {reason}"})
+                    continue
+                print(f"  {name} ...", flush=True)
+                try:
+                    row = run_config(cluster, name, args)
+                    row["status"] = "ok"
+                except ClusterError as exc:
+                    row = {
+                        "config": name,
+                        "status": f"failed: {str(exc).splitlines()[0]}",
+                        "log": str(exc)[-2000:],
+                    }
+                link["rows"].append(row)
+            report["links"].append(link)
+        report["namespaces_removed"] = not cluster.exists()
+    print_table(report, args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench.json").write_text(json.dumps(report, indent=1))
+    plot(report, args.out / "bench.png")
+    print(f"\nwrote {args.out / 'bench.json'} and {args.out / 'bench.png'}")
+    return 0
+
+
+def print_table(report: dict, args) -> None:
+    print(
+        f"\n{args.model}, {args.nodes} nodes x {args.ranks_per_node} ranks, batch {args.batch_size}x{args.block} per rank, "
+        f"{args.steps} timed steps after {args.warmup} warm-up, lowering={args.lowering}\n"
+    )
+    for link in report["links"]:
+        rows = {r["config"]: r for r in link["rows"] if r["status"] == "ok"}
+        print(
+            f"### inter-node link {link['rate']} (measured {link['measured_bits_per_second'] / 1e6:,.1f} Mbit/s)\n"
+        )
+        print(
+            "| configuration | step (s) | tokens/s | vs FSDP2 | vs zppc zero3 | wire MB/step | ledger MB/step "
+            "| ledger / wire | peak RSS MB/rank | final loss |"
+        )
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in link["rows"]:
+            if r["status"] != "ok":
+                print(f"| {r['config']} | {r['status']} |||||||||")
+                continue
+            steps = r["timed_steps"]
+
+            ratios = {
+                base: f"{r['tokens_per_second'] / rows[base]['tokens_per_second']:.2f}x"
+                if base in rows
+                else "-"
+                for base in ("torch-fsdp2", "zppc-zero3")
+            }
+            wire = r["wire_bytes"] / steps / 2**20
+            ledger = r["ledger_inter_node_bytes"]
+            ledger_text = f"{ledger / steps / 2**20:,.2f}" if ledger is not None else "-"
+            ledger_ratio = (
+                f"{ledger / r['wire_bytes']:.2f}" if ledger is not None and r["wire_bytes"] else "-"
+            )
+            print(
+                f"| {r['config']} | {r['median_step_seconds']:.3f} | {r['tokens_per_second']:,.0f} | {ratios['torch-fsdp2']} "
+                f"| {ratios['zppc-zero3']} | {wire:,.2f} | {ledger_text} | {ledger_ratio} "
+                f"| {r['peak_rss_bytes_per_rank'] / 2**20:,.0f} | {r['final_loss']:.4f} |"
+            )
+        print()
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    links = report["links"]
+    names = [r["config"] for r in links[0]["rows"] if r["status"] == "ok"]
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(names)), 4))
+    width = 0.8 / max(1, len(links))
+    for i, link in enumerate(links):
+        by_name = {r["config"]: r for r in link["rows"] if r["status"] == "ok"}
+        values = [by_name[n]["tokens_per_second"] if n in by_name else 0 for n in names]
+        ax.bar(
+            [j + i * width for j in range(len(names))],
+            values,
+            width,
+            label=f"inter-node {link['rate']}",
+        )
+    ax.set_xticks(
+        [j + width * (len(links) - 1) / 2 for j in range(len(names))],
+        names,
+        rotation=30,
+        ha="right",
+    )
+    ax.set_ylabel("tokens/s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

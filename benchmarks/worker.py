@@ -1,0 +1,195 @@
+"""One benchmark configuration, run on every rank by torchrun (see run.py).
+
+Rank 0 writes a JSON result: median step time after warm-up, tokens/s, peak
+resident memory per rank, final loss, the bytes that left every node over its
+shaped link during the training loop (read from the link's own counters by
+each node's local rank 0), and zppc's ledger totals over the same loop, summed
+over ranks (zppc configurations only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+# name -> (builder kind, zppc Config fields or None)
+CONFIGS: dict[str, tuple[str, dict | None]] = {
+    "torch-ddp": ("torch-ddp", None),
+    "torch-fsdp2": ("torch-fsdp2", None),
+    "deepspeed-zero3": ("deepspeed", {"hpz": False}),
+    "deepspeed-zero3-hpz": ("deepspeed", {"hpz": True}),
+    "deepspeed-zero3-qwz-qgz": ("deepspeed", {"hpz": True, "quantized": True}),
+    "zppc-ddp": ("zppc", {"strategy": "ddp"}),
+    "zppc-zero3": ("zppc", {"strategy": "zero3"}),
+    "zppc-zero3-qwz-int8": ("zppc", {"strategy": "zero3", "qwz": "int8"}),
+    "zppc-zero3-qwz-int4": ("zppc", {"strategy": "zero3", "qwz": "int4"}),
+    "zppc-zero3-hpz": ("zppc", {"strategy": "zero3", "hpz": True}),
+    "zppc-zero3-qgz": ("zppc", {"strategy": "zero3", "qgz": "int4"}),
+    "zppc-zero++": ("zppc", {"strategy": "zero3", "qwz": "int8", "hpz": True, "qgz": "int4"}),
+    "zppc-osp": ("zppc", {"strategy": "zero3", "osp": 0.5}),
+    "zppc-rtp": ("zppc", {"strategy": "rtp"}),
+}
+
+
+def why_not_runnable(name: str) -> str | None:
+    """None if `name` can run here, else the reason (checked before launching)."""
+    kind, fields = CONFIGS[name]
+    if kind == "deepspeed":
+        try:
+            import deepspeed  # noqa: F401
+        except ImportError:
+            return "deepspeed is not installed (pip install deepspeed with DS_BUILD_OPS=0)"
+        if fields.get("quantized") and not torch.cuda.is_available():
+            return "DeepSpeed's qwZ/qgZ need its CUDA kernels"
+    if kind == "zppc":
+        import zppc
+
+        try:
+            zppc.Config(**fields)
+        except NotImplementedError as exc:
+            return str(exc)
+    return None
+
+
+def link_tx_bytes() -> int:
+    """Bytes sent so far on this node's shaped link (0 outside the emulated cluster)."""
+    link = os.environ.get("GLOO_SOCKET_IFNAME")
+    try:
+        with open(f"/sys/class/net/{link}/statistics/tx_bytes") as f:
+            return int(f.read())
+    except (OSError, TypeError):
+        return 0
+
+
+def build(name: str, model, args):
+    """The step function and optimizer of one configuration."""
+    kind, fields = CONFIGS[name]
+    if kind == "torch-ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        step = DistributedDataParallel(model)
+        return step, torch.optim.AdamW(model.parameters(), lr=args.lr)
+    if kind == "torch-fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        return model, torch.optim.AdamW(model.parameters(), lr=args.lr)
+    if kind == "deepspeed":
+        import deepspeed
+
+        ds_config = {
+            "train_micro_batch_size_per_gpu": args.batch_size,
+            "optimizer": {"type": "AdamW", "params": {"lr": args.lr}},
+            "zero_optimization": {"stage": 3},
+        }
+        if fields.get("hpz"):
+            ds_config["zero_optimization"]["zero_hpz_partition_size"] = int(
+                os.environ["LOCAL_WORLD_SIZE"]
+            )
+        if fields.get("quantized"):
+            ds_config["zero_optimization"].update(
+                zero_quantized_weights=True, zero_quantized_gradients=True
+            )
+        engine, opt, _, _ = deepspeed.initialize(model=model, config=ds_config)
+        return engine, opt
+    import zppc
+
+    config = zppc.Config(
+        **fields, lowering=args.lowering, node_size=int(os.environ["LOCAL_WORLD_SIZE"])
+    )
+    zppc.distribute(model, config)
+    return torch.compile(model, backend="zppc"), torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", required=True, choices=sorted(CONFIGS))
+    p.add_argument("--preset", default="gpt-small")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--block", type=int, default=128)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lowering", default="eager")
+    p.add_argument("--result", required=True)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    import zppc
+    from zppc.data import random_windows, stdlib_corpus
+    from zppc.models import GPT, PRESETS
+
+    torch.manual_seed(0)
+    model = GPT(PRESETS[args.preset])
+    step, opt = build(args.config, model, args)
+    kind = CONFIGS[args.config][0]
+    batches = random_windows(stdlib_corpus(4 << 20), args.batch_size, args.block, seed=1000 + rank)
+    dist.barrier()
+    wire_start = link_tx_bytes()
+    zppc.reset_comm_stats()
+    times, loss = [], None
+    for i in range(args.warmup + args.steps):
+        x, y = next(batches)
+        dist.barrier()
+        start = time.perf_counter()
+        loss = step(x, y)
+        if kind == "deepspeed":
+            step.backward(loss)
+            step.step()
+        else:
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        loss = loss.detach()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+    stats = zppc.comm_stats()
+    dist.barrier()
+    wire = link_tx_bytes() - wire_start if int(os.environ["LOCAL_RANK"]) == 0 else 0
+    summary = torch.tensor(
+        [
+            loss.item(),
+            stats.inter_node_bytes,
+            stats.intra_node_bytes,
+            statistics.median(times),
+            wire,
+        ],
+        dtype=torch.float64,
+    )
+    everyone = [torch.zeros_like(summary) for _ in range(world)]
+    dist.all_gather(everyone, summary)
+    peak_rss = [None] * world
+    dist.all_gather_object(peak_rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    if rank == 0:
+        table = torch.stack(everyone)
+        median_step = table[:, 3].max().item()  # the slowest rank sets the pace
+        result = {
+            "config": args.config,
+            "median_step_seconds": median_step,
+            "tokens_per_second": args.batch_size * args.block * world / median_step,
+            "final_loss": table[:, 0].mean().item(),
+            "ledger_inter_node_bytes": int(table[:, 1].sum().item()) if kind == "zppc" else None,
+            "ledger_intra_node_bytes": int(table[:, 2].sum().item()) if kind == "zppc" else None,
+            "wire_bytes": int(table[:, 4].sum().item()),
+            "peak_rss_bytes_per_rank": max(peak_rss),
+            "timed_steps": args.steps,
+            "warmup_steps": args.warmup,
+        }
+        with open(args.result, "w") as f:
+            json.dump(result, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

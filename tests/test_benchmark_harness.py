@@ -1,0 +1,73 @@
+"""The emulated-cluster benchmark harness itself (needs root, ip and tc)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CAN_RUN = os.geteuid() == 0 and shutil.which("tc") is not None and shutil.which("ip") is not None
+
+pytestmark = [
+    pytest.mark.skipif(
+        not CAN_RUN, reason="needs root with ip and tc (network namespaces, traffic shaping)"
+    ),
+    pytest.mark.timeout(900),
+]
+
+
+def test_quick_run_builds_measures_and_removes_the_cluster(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=840,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["namespaces_removed"]
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "zppc" not in listed
+    (link,) = report["links"]
+    # The shaped link really limits bandwidth.
+    assert abs(link["measured_bits_per_second"] / link["set_bits_per_second"] - 1) <= 0.2
+    rows = {r["config"]: r for r in link["rows"]}
+    assert set(rows) == {
+        "torch-ddp",
+        "torch-fsdp2",
+        "zppc-zero3",
+        "zppc-zero3-qwz-int8",
+        "zppc-zero3-hpz",
+    }
+    for name in ("torch-ddp", "torch-fsdp2", "zppc-zero3", "zppc-zero3-qwz-int8"):
+        assert rows[name]["status"] == "ok", rows[name]
+        assert rows[name]["wire_bytes"] > 0 and rows[name]["tokens_per_second"] > 0
+    assert rows["zppc-zero3-hpz"]["status"].startswith("not runnable")
+    # qwZ puts fewer bytes on the wire than plain zero3, by the link's own counters.
+    assert rows["zppc-zero3-qwz-int8"]["wire_bytes"] < rows["zppc-zero3"]["wire_bytes"]
+    assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+def test_refuses_without_privileges_with_a_clear_message():
+    if os.geteuid() != 0:
+        pytest.skip("runs as root only: it drops privileges itself")
+    done = subprocess.run(
+        [
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            sys.executable,
+            str(ROOT / "benchmarks" / "run.py"),
+            "--quick",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "needs root" in done.stderr
