@@ -1,0 +1,134 @@
+"""Pass unit tests on small traced graphs, in one process (fake process group
+where a pass needs a group's size): the ops each pass inserts, their groups
+and sizes."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import zppc
+from zppc.passes import PassContext, build_passes, run_passes
+from zppc.passes.bucket import find_collectives, plan_buckets
+from zppc.passes.dedupe import dedupe_unshard_pass
+from zppc.passes.graph_utils import REDUCE_GRAD, UNSHARD, op_census
+from zppc.passes.partition import zppc_partition
+
+WORLD = 4
+c10d = torch.ops._c10d_functional
+
+
+@pytest.fixture
+def fake_pg():
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=WORLD)
+    yield dist.group.WORLD.group_name
+    dist.destroy_process_group()
+
+
+def unshard(shard, shape, mode="zero3", group="0"):
+    return torch.ops.zppc.unshard(shard, list(shape), group, mode, None, None)
+
+
+def count(gm, target) -> int:
+    return len(gm.graph.find_nodes(op="call_function", target=target))
+
+
+def test_dedupe_merges_identical_gathers_only():
+    def f(a, b):
+        return unshard(a, [3, 2]) + unshard(a, [3, 2]) * unshard(b, [3, 2])
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(2), torch.randn(2))
+    assert count(gm, UNSHARD) == 3
+    gm = dedupe_unshard_pass(gm, None)
+    gm.graph.eliminate_dead_code()
+    assert count(gm, UNSHARD) == 2
+
+
+def partitioned(mode, group):
+    """Forward and backward graphs of x @ W.T with W = unshard(shard), split by zppc_partition."""
+    graphs = {}
+
+    def keep(kind):
+        def compiler(gm, inputs):
+            graphs[kind] = gm
+            return make_boxed_func(gm.forward)
+
+        return compiler
+
+    from torch._functorch.aot_autograd import aot_function, make_boxed_func
+
+    def f(shard, x):
+        return (x @ unshard(shard, [5, 7], mode, group).t()).sum()
+
+    shard = torch.randn(9, requires_grad=True)  # ceil(35 / 4)
+    x = torch.randn(3, 7, requires_grad=True)
+    aot_function(f, keep("forward"), keep("backward"), partition_fn=zppc_partition)(shard, x).backward()
+    return graphs
+
+
+def saved_shapes(forward_gm) -> list:
+    (outputs,) = forward_gm.graph.find_nodes(op="output")[0].args
+    return [tuple(n.meta["val"].shape) for n in outputs[1:]]
+
+
+def test_partition_regathers_for_zero3_and_saves_for_zero2(fake_pg):
+    zero3 = partitioned("zero3", fake_pg)
+    assert not {(5, 7), (7, 5)} & set(saved_shapes(zero3["forward"]))
+    assert count(zero3["backward"], UNSHARD) == 1 and count(zero3["backward"], REDUCE_GRAD) == 1
+
+    zero2 = partitioned("zero2", fake_pg)
+    assert {(5, 7), (7, 5)} & set(saved_shapes(zero2["forward"]))
+    assert count(zero2["backward"], UNSHARD) == 0
+
+
+def test_zero_pass_lowers_to_collectives_with_ledger_hooks(fake_pg):
+    graphs = partitioned("zero3", fake_pg)
+    config = zppc.Config(lowering="eager", disable_passes=("bucket",))
+    for kind, expected in (("forward", {"all_gather"}), ("backward", {"all_gather", "reduce_scatter"})):
+        gm = run_passes(graphs[kind], PassContext(config, kind))
+        assert count(gm, UNSHARD) == count(gm, REDUCE_GRAD) == 0
+        records = gm.graph.find_nodes(op="call_function", target=torch.ops.zppc.record_comm.default)
+        assert {r.args[1] for r in records} == expected
+        assert {r.args[2] for r in records} == {fake_pg}
+        for r in records:
+            out = r.args[0].meta["val"]
+            # A 9-element shard per rank: 36 gathered, or 9 reduced to this rank.
+            assert out.numel() == (WORLD * 9 if r.args[1] == "all_gather" else 9)
+    gather = graphs["forward"].graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default)
+    assert gather[0].args[1:] == (WORLD, fake_pg)
+
+
+def test_bucket_plan_is_greedy_in_graph_order(fake_pg):
+    def f(a, b, c, d):
+        return sum(unshard(s, [4 * n]).sum() for s, n in ((a, 2), (b, 2), (c, 1), (d, 3)))
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(2), torch.randn(2), torch.randn(1), torch.randn(3))
+    for node in gm.graph.nodes:
+        node.meta.setdefault("val", None)
+    from zppc.passes.zero import zero_pass
+
+    gm = zero_pass(gm, None)
+    matches = find_collectives(gm.graph)
+    assert [m.input_bytes for m in matches] == [8, 8, 4, 12]
+    plan = plan_buckets(matches, bucket_bytes=16)
+    assert [[m.input_bytes for m in b] for b in plan] == [[8, 8], [4, 12]]
+    # A bucket closes when the next member would overflow; singletons are left alone.
+    plan = plan_buckets(matches, bucket_bytes=20)
+    assert [[m.input_bytes for m in b] for b in plan] == [[8, 8, 4]]
+
+
+def test_pass_list_and_disable():
+    names = [p.name for p in build_passes(zppc.Config(qwz="int8"))]
+    assert names == ["dedupe_unshard", "zero", "qwz", "bucket"]
+    names = [p.name for p in build_passes(zppc.Config(disable_passes=("bucket",)))]
+    assert names == ["dedupe_unshard", "zero"]
+
+
+def test_run_passes_records_every_pass(fake_pg):
+    graphs = partitioned("zero3", fake_pg)
+    ctx = PassContext(zppc.Config(lowering="eager"), "backward")
+    run_passes(graphs["backward"], ctx)
+    assert [r.name for r in ctx.records] == ["input", "zero", "bucket"]
+    assert ctx.records[1].removed == {"unshard.default": 1, "reduce_grad.default": 1}
+    assert op_census(graphs["backward"].graph)["record_comm.default"] == 2
