@@ -57,7 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.model, args.steps, args.warmup, args.block = "gpt-tiny", 3, 1, 32
-        args.inter_bw, args.configs = "100mbit", ",".join(QUICK_CONFIGS + ["zppc-zero3-hpz"])
+        args.inter_bw = "100mbit"
+        args.configs = args.configs or ",".join(QUICK_CONFIGS + ["zppc-zero3-hpz"])
+    args.configs = args.configs or ",".join(CONFIGS)
     unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
     if unknown:
         p.error(f"unknown configurations {unknown}")

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 from zppc.passes.graph_utils import GraphBuilder
-from zppc.passes.zero import PARAM_GATHER, collective, flatten_padded
+from zppc.passes.zero import PARAM_GATHER, UNQUANTIZED_BYTES, collective, flatten_padded
 from zppc.runtime.topology import group_size
 
 aten = torch.ops.aten
@@ -154,6 +154,9 @@ def _gather_bucket(gm: fx.GraphModule, bucket: list[CollectiveMatch]) -> None:
         first.group_name,
     )
     gathered.meta[PARAM_GATHER] = True
+    gathered.meta[UNQUANTIZED_BYTES] = sum(
+        m.wait.meta.get(UNQUANTIZED_BYTES, m.input_bytes) for m in bucket
+    )
     columns = b.call(
         aten.split_with_sizes.default,
         b.call(aten.view.default, gathered, [world, sum(sizes)]),

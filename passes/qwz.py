@@ -22,7 +22,7 @@ import torch
 import zppc.kernels.quant  # noqa: F401  (registers the quantization ops)
 from torch import fx
 from zppc.passes.graph_utils import GraphBuilder
-from zppc.passes.zero import PARAM_GATHER, all_gather
+from zppc.passes.zero import PARAM_GATHER, UNQUANTIZED_BYTES, all_gather
 from zppc.runtime.topology import group_size
 
 c10d = torch.ops._c10d_functional
@@ -66,6 +66,7 @@ def qwz_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         gathered = all_gather(b, payload, m.group_name)
         gathered.meta[PARAM_GATHER] = True
         dtype = m.local.meta["val"].dtype
+        gathered.meta[UNQUANTIZED_BYTES] = m.shard_numel * dtype.itemsize
         values = b.call(
             zppc_ops.unpack_dequantize.default, gathered, world, m.shard_numel, block, bits, dtype
         )

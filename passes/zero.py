@@ -68,6 +68,9 @@ def all_gather(b: GraphBuilder, flat: fx.Node, group_name: str) -> fx.Node:
 # meta key on the wait node of every parameter all-gather: later passes (qwz,
 # bucket) find the gathers they rewrite by it.
 PARAM_GATHER = "zppc_param_gather"
+# meta key on a wait node whose collective moves quantized data: the bytes per
+# rank the unquantized collective would have moved (the schedule shows both).
+UNQUANTIZED_BYTES = "zppc_unquantized_bytes"
 
 
 def unpad_to_shape(b: GraphBuilder, flat: fx.Node, shape: tuple[int, ...], numel: int) -> fx.Node:

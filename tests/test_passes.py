@@ -7,13 +7,13 @@ import torch
 import torch.distributed as dist
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
-
-import zppc
 from zppc.passes import PassContext, build_passes, run_passes
 from zppc.passes.bucket import find_collectives, plan_buckets
 from zppc.passes.dedupe import dedupe_unshard_pass
 from zppc.passes.graph_utils import REDUCE_GRAD, UNSHARD, op_census
 from zppc.passes.partition import zppc_partition
+
+import zppc
 
 WORLD = 4
 c10d = torch.ops._c10d_functional
@@ -63,7 +63,9 @@ def partitioned(mode, group):
 
     shard = torch.randn(9, requires_grad=True)  # ceil(35 / 4)
     x = torch.randn(3, 7, requires_grad=True)
-    aot_function(f, keep("forward"), keep("backward"), partition_fn=zppc_partition)(shard, x).backward()
+    aot_function(f, keep("forward"), keep("backward"), partition_fn=zppc_partition)(
+        shard, x
+    ).backward()
     return graphs
 
 
@@ -85,7 +87,10 @@ def test_partition_regathers_for_zero3_and_saves_for_zero2(fake_pg):
 def test_zero_pass_lowers_to_collectives_with_ledger_hooks(fake_pg):
     graphs = partitioned("zero3", fake_pg)
     config = zppc.Config(lowering="eager", disable_passes=("bucket",))
-    for kind, expected in (("forward", {"all_gather"}), ("backward", {"all_gather", "reduce_scatter"})):
+    for kind, expected in (
+        ("forward", {"all_gather"}),
+        ("backward", {"all_gather", "reduce_scatter"}),
+    ):
         gm = run_passes(graphs[kind], PassContext(config, kind))
         assert count(gm, UNSHARD) == count(gm, REDUCE_GRAD) == 0
         records = gm.graph.find_nodes(op="call_function", target=torch.ops.zppc.record_comm.default)
@@ -95,7 +100,9 @@ def test_zero_pass_lowers_to_collectives_with_ledger_hooks(fake_pg):
             out = r.args[0].meta["val"]
             # A 9-element shard per rank: 36 gathered, or 9 reduced to this rank.
             assert out.numel() == (WORLD * 9 if r.args[1] == "all_gather" else 9)
-    gather = graphs["forward"].graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default)
+    gather = graphs["forward"].graph.find_nodes(
+        op="call_function", target=c10d.all_gather_into_tensor.default
+    )
     assert gather[0].args[1:] == (WORLD, fake_pg)
 
 
@@ -103,7 +110,9 @@ def test_bucket_plan_is_greedy_in_graph_order(fake_pg):
     def f(a, b, c, d):
         return sum(unshard(s, [4 * n]).sum() for s, n in ((a, 2), (b, 2), (c, 1), (d, 3)))
 
-    gm = make_fx(f, tracing_mode="fake")(torch.randn(2), torch.randn(2), torch.randn(1), torch.randn(3))
+    gm = make_fx(f, tracing_mode="fake")(
+        torch.randn(2), torch.randn(2), torch.randn(1), torch.randn(3)
+    )
     for node in gm.graph.nodes:
         node.meta.setdefault("val", None)
     from zppc.passes.zero import zero_pass

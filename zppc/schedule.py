@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
+from zppc.passes.zero import UNQUANTIZED_BYTES
 from zppc.runtime.collectives import bytes_per_peer
 from zppc.runtime.ledger import peer_split
 from zppc.runtime.topology import current_topology, group_ranks
@@ -24,6 +25,8 @@ class ScheduledCollective:
     bytes_per_peer: int
     intra_node_bytes: int
     inter_node_bytes: int
+    unquantized_bytes_per_peer: int
+    """What each peer would send without quantization (= bytes_per_peer when unquantized)."""
 
 
 @dataclass
@@ -69,6 +72,7 @@ def graph_schedule(gm: fx.GraphModule, graph: str, rank: int) -> list[ScheduledC
                 bytes_per_peer=per_peer,
                 intra_node_bytes=intra * per_peer,
                 inter_node_bytes=inter * per_peer,
+                unquantized_bytes_per_peer=out.meta.get(UNQUANTIZED_BYTES, per_peer),
             )
         )
     return result
