@@ -46,8 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lowering", default="eager", choices=["eager", "inductor"])
     p.add_argument(
         "--configs",
-        default=",".join(CONFIGS),
-        help="comma-separated subset of: " + ", ".join(CONFIGS),
+        default=None,
+        help="comma-separated subset of (default: all): " + ", ".join(CONFIGS),
     )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per configuration")
     p.add_argument("--out", type=Path, default=HERE / "results")
