@@ -363,3 +363,35 @@ def qwz_training(rank, world, steps):
         dist.all_reduce(held)
         result[qwz] = {"losses": losses, "held_out": held.item() / world}
     return result
+
+
+def checkpoint_round_trip(rank, world, path, phase):
+    """phase "save": train 3 steps, save, train 2 more (the reference).
+    phase "load": fresh model and optimizer, load, train the same 2 steps."""
+    torch._dynamo.reset()
+    torch.manual_seed(1 if phase == "load" else 0)  # loading must overwrite everything
+    model = MODELS["frozen"]()
+    zppc.distribute(model, zppc.Config(lowering="eager"))
+    step = torch.compile(model, backend="zppc")
+    opt = make_optimizer("adamw", [p for p in model.parameters() if p.requires_grad])
+
+    def train(steps):
+        losses = []
+        for i in steps:
+            x, y = model.batch(i, n=8)
+            loss = step(local_slice(x, rank, world), local_slice(y, rank, world))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            value = loss.detach().clone()
+            dist.all_reduce(value)
+            losses.append(value.item() / world)
+        return losses
+
+    if phase == "save":
+        train(range(3))
+        zppc.save(model, opt, path)
+    else:
+        zppc.load(model, opt, path)
+    after = train(range(3, 5))
+    return {"losses": after, "params": zppc.full_parameters(model), "lr": opt.param_groups[0]["lr"]}

@@ -4,6 +4,7 @@ model = zppc.distribute(model, zppc.Config(strategy="zero3"))
 step = torch.compile(model, backend="zppc")
 """
 
+from zppc.checkpoint import load, save
 from zppc.config import Config
 from zppc.distribute import distribute, full_parameters
 from zppc.inspect import inspect
@@ -16,6 +17,8 @@ __all__ = [
     "distribute",
     "full_parameters",
     "inspect",
+    "load",
     "reset_comm_stats",
+    "save",
 ]
 __version__ = "0.1.0"
