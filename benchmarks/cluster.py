@@ -104,37 +104,13 @@ class EmulatedCluster:
             _run(*in_ns, "ip", "addr", "add", f"{self.address(node)}/24", "dev", inner)
             _run(*in_ns, "ip", "link", "set", inner, "up")
             _run(*in_ns, "ip", "link", "set", "lo", "up")
+            qdisc = (*in_ns, "tc", "qdisc", "add", "dev", inner)
             tbf = ("tbf", "rate", self.rate, "burst", "64kb", "latency", "100ms")
-            if self.latency:
-                _run(
-                    *in_ns,
-                    "tc",
-                    "qdisc",
-                    "add",
-                    "dev",
-                    inner,
-                    "root",
-                    "handle",
-                    "1:",
-                    "netem",
-                    "delay",
-                    self.latency,
-                )
-                _run(
-                    *in_ns,
-                    "tc",
-                    "qdisc",
-                    "add",
-                    "dev",
-                    inner,
-                    "parent",
-                    "1:1",
-                    "handle",
-                    "10:",
-                    *tbf,
-                )
+            if self.latency:  # netem delays, then tbf shapes
+                _run(*qdisc, "root", "handle", "1:", "netem", "delay", self.latency)
+                _run(*qdisc, "parent", "1:1", "handle", "10:", *tbf)
             else:
-                _run(*in_ns, "tc", "qdisc", "add", "dev", inner, "root", *tbf)
+                _run(*qdisc, "root", *tbf)
 
     def close(self) -> None:
         for kind, name in reversed(self.created):

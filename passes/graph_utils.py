@@ -86,6 +86,18 @@ class GraphBuilder:
             node.meta["stack_trace"] = self.anchor.meta["stack_trace"]
         return node
 
+    def inline(self, fn, *inputs: fx.Node) -> fx.Node:
+        """Insert the aten ops of `fn(*inputs)`, traced on the inputs' fake
+        values, instead of one opaque call: the compiler sees them and can fuse
+        them with their neighbours."""
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        with self.fake_mode:
+            traced = make_fx(fn)(*[node_value(n) for n in inputs])
+        placeholders = traced.graph.find_nodes(op="placeholder")
+        with self.graph.inserting_before(self.anchor):
+            return self.graph.graph_copy(traced.graph, dict(zip(placeholders, inputs, strict=True)))
+
 
 def replace_node(old: fx.Node, new: fx.Node) -> None:
     old.replace_all_uses_with(new)

@@ -4,10 +4,12 @@ Requires: the `zero` pass (it tags the wait node of every parameter
 all-gather). Runs on the forward graph and on the backward graph (the zero3
 re-gather; hpZ, once built, serves that one from the node instead).
 
-Rewrite, per gather: local shard -> `zppc::quantize_pack` (fp32 block scales
+Rewrite, per gather: local shard -> quantize-and-pack (fp32 block scales
 followed by int8 or packed int4 values, one uint8 payload) -> one all-gather
-of the payloads -> `zppc::unpack_dequantize` to the shard's dtype. Data and
-scales travel in a single collective.
+of the payloads -> unpack-and-dequantize to the shard's dtype. Data and
+scales travel in a single collective. On CUDA the two steps are the Triton
+kernels (`zppc::quantize_pack` / `zppc::unpack_dequantize`); elsewhere the
+torch reference's aten ops are inlined for Inductor to fuse.
 
 Numerics: changes results (opt-in); every element is off by at most half a
 quantization step of its block. Forward and backward dequantize the same
@@ -17,10 +19,11 @@ payload, so both see the same weights.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
-import zppc.kernels.quant  # noqa: F401  (registers the quantization ops)
 from torch import fx
+from zppc.kernels import quant
 from zppc.passes.graph_utils import GraphBuilder
 from zppc.passes.zero import PARAM_GATHER, UNQUANTIZED_BYTES, all_gather
 from zppc.runtime.topology import group_size
@@ -62,14 +65,23 @@ def qwz_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     for m in find_param_gathers(gm.graph):
         b = GraphBuilder(gm, m.gather)
         world = group_size(m.group_name)
-        payload = b.call(zppc_ops.quantize_pack.default, m.local, block, bits)
+        dtype = m.local.meta["val"].dtype
+        # GPU: the Triton kernels, as custom ops. Elsewhere: the torch reference's
+        # aten ops, inlined so that Inductor fuses them.
+        if m.local.meta["val"].device.type == "cuda":
+            payload = b.call(zppc_ops.quantize_pack.default, m.local, block, bits)
+        else:
+            payload = b.inline(
+                partial(quant.quantize_pack_reference, block=block, bits=bits), m.local
+            )
         gathered = all_gather(b, payload, m.group_name)
         gathered.meta[PARAM_GATHER] = True
-        dtype = m.local.meta["val"].dtype
         gathered.meta[UNQUANTIZED_BYTES] = m.shard_numel * dtype.itemsize
-        values = b.call(
-            zppc_ops.unpack_dequantize.default, gathered, world, m.shard_numel, block, bits, dtype
-        )
+        unpack = dict(world=world, numel=m.shard_numel, block=block, bits=bits, dtype=dtype)
+        if m.local.meta["val"].device.type == "cuda":
+            values = b.call(zppc_ops.unpack_dequantize.default, gathered, *unpack.values())
+        else:
+            values = b.inline(partial(quant.unpack_dequantize_reference, **unpack), gathered)
         m.wait.replace_all_uses_with(values, delete_user_cb=lambda user, r=m.record: user is not r)
         for node in (m.record, m.wait, m.gather):
             gm.graph.erase_node(node)

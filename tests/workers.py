@@ -22,6 +22,18 @@ def local_slice(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return t.chunk(world)[rank]
 
 
+def distributed_step(step, opt, x, y, rank, world) -> float:
+    """One training step on this rank's slice of the global batch; returns the
+    loss averaged over ranks (the loss of the whole batch)."""
+    loss = step(local_slice(x, rank, world), local_slice(y, rank, world))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    value = loss.detach().clone()
+    dist.all_reduce(value)
+    return value.item() / world
+
+
 def train_against_reference(rank, world, model_name, config_kwargs, optimizer, steps=10):
     """Train a distributed compiled model and a single-process reference that sees
     the whole batch; return both loss curves and the largest parameter gap."""
@@ -37,13 +49,7 @@ def train_against_reference(rank, world, model_name, config_kwargs, optimizer, s
     losses, ref_losses = [], []
     for i in range(steps):
         x, y = model_cls.batch(i)
-        loss = step(local_slice(x, rank, world), local_slice(y, rank, world))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        mean_loss = loss.detach().clone()
-        dist.all_reduce(mean_loss)
-        losses.append(mean_loss.item() / world)
+        losses.append(distributed_step(step, opt, x, y, rank, world))
 
         ref_loss = reference(x, y)
         ref_loss.backward()
@@ -376,17 +382,7 @@ def checkpoint_round_trip(rank, world, path, phase):
     opt = make_optimizer("adamw", [p for p in model.parameters() if p.requires_grad])
 
     def train(steps):
-        losses = []
-        for i in steps:
-            x, y = model.batch(i, n=8)
-            loss = step(local_slice(x, rank, world), local_slice(y, rank, world))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            value = loss.detach().clone()
-            dist.all_reduce(value)
-            losses.append(value.item() / world)
-        return losses
+        return [distributed_step(step, opt, *model.batch(i), rank, world) for i in steps]
 
     if phase == "save":
         train(range(3))
@@ -395,3 +391,19 @@ def checkpoint_round_trip(rank, world, path, phase):
         zppc.load(model, opt, path)
     after = train(range(3, 5))
     return {"losses": after, "params": zppc.full_parameters(model), "lr": opt.param_groups[0]["lr"]}
+
+
+def qwz_lowerings(rank, world, steps=3):
+    """Losses of zero3 + qwz int8 under the eager and the Inductor lowering."""
+    result = {}
+    for lowering in ("eager", "inductor"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = MODELS["mlp"]()
+        zppc.distribute(model, zppc.Config(qwz="int8", qwz_block=64, lowering=lowering))
+        step = torch.compile(model, backend="zppc")
+        opt = make_optimizer("adamw", model.parameters())
+        result[lowering] = [
+            distributed_step(step, opt, *model.batch(i), rank, world) for i in range(steps)
+        ]
+    return result
