@@ -90,10 +90,14 @@ class GraphBuilder:
         """Insert the aten ops of `fn(*inputs)`, traced on the inputs' fake
         values, instead of one opaque call: the compiler sees them and can fuse
         them with their neighbours."""
+        from torch._inductor.decomposition import select_decomp_table
         from torch.fx.experimental.proxy_tensor import make_fx
 
+        # Decomposed as aot_autograd decomposed the rest of the graph for Inductor.
         with self.fake_mode:
-            traced = make_fx(fn)(*[node_value(n) for n in inputs])
+            traced = make_fx(fn, decomposition_table=select_decomp_table())(
+                *[node_value(n) for n in inputs]
+            )
         placeholders = traced.graph.find_nodes(op="placeholder")
         with self.graph.inserting_before(self.anchor):
             return self.graph.graph_copy(traced.graph, dict(zip(placeholders, inputs, strict=True)))
