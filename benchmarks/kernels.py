@@ -36,13 +36,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1 << 20, 1 << 24])
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument(
+        "--eager", action="store_true", help="CPU: time the reference op by op, not compiled"
+    )
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     on_gpu = device.type == "cuda" and quant.HAS_TRITON
-    quantize = quant.quantize_pack_triton if on_gpu else quant.quantize_pack_reference
-    dequantize = quant.unpack_dequantize_triton if on_gpu else quant.unpack_dequantize_reference
+    if on_gpu:
+        quantize, dequantize = quant.quantize_pack_triton, quant.unpack_dequantize_triton
+    elif args.eager:
+        quantize, dequantize = quant.quantize_pack_reference, quant.unpack_dequantize_reference
+    else:
+        # What a compiled graph runs on CPU: the reference, fused by Inductor.
+        quantize = torch.compile(quant.quantize_pack_reference, dynamic=False)
+        dequantize = torch.compile(quant.unpack_dequantize_reference, dynamic=False)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    print(f"device: {name}; path: {'triton' if on_gpu else 'torch reference'}\n")
+    path = (
+        "triton"
+        if on_gpu
+        else "torch reference, " + ("eager" if args.eager else "Inductor-compiled")
+    )
+    print(f"device: {name}; path: {path}\n")
     print("| kernel | dtype | elements | block | time (us) | GB/s | copy GB/s | of copy |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for numel in args.sizes:
