@@ -58,7 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.quick:
         args.model, args.steps, args.warmup, args.block = "gpt-tiny", 3, 1, 32
         args.inter_bw = "100mbit"
-        args.configs = args.configs or ",".join(QUICK_CONFIGS + ["zppc-zero3-hpz"])
+        args.configs = args.configs or ",".join(QUICK_CONFIGS + ["zppc-zero3-qgz"])
     args.configs = args.configs or ",".join(CONFIGS)
     unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
     if unknown:

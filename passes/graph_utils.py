@@ -16,6 +16,8 @@ import zppc.ir  # noqa: F401  (registers the ops matched below)
 
 UNSHARD = torch.ops.zppc.unshard.default
 REDUCE_GRAD = torch.ops.zppc.reduce_grad.default
+SECONDARY_SHARD = torch.ops.zppc.secondary_shard.default
+UNSHARD_SECONDARY = torch.ops.zppc.unshard_secondary.default
 
 
 @dataclass(frozen=True)

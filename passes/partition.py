@@ -8,7 +8,8 @@ transpose a linear layer's backward needs) is rewired to a fresh copy of that
 chain. The copy depends only on the shard, a graph input, so the partition puts
 it in the backward graph and saves the shard instead: the backward re-gathers.
 zero1 / zero2 / ddp keep the gathered weight for backward (that is the
-difference between zero2 and zero3).
+difference between zero2 and zero3). With hpZ the copy starts from a secondary
+shard over the node instead (see `regather_in_backward`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 from torch._functorch.partitioners import default_partition
-from zppc.passes.graph_utils import UNSHARD
+from zppc.passes.graph_utils import SECONDARY_SHARD, UNSHARD, UNSHARD_SECONDARY, GraphBuilder
 
 aten = torch.ops.aten
 VIEW_OPS = {
@@ -56,20 +57,42 @@ def _regathers(node: fx.Node) -> bool:
     return node.target in VIEW_OPS and _regathers(node.args[0])
 
 
-def regather_in_backward(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
-    """Give backward users their own copies of zero3 gathers; returns how many."""
+def regather_in_backward(
+    joint: fx.GraphModule, num_fwd_outputs: int, hpz_group: str | None = None
+) -> int:
+    """Give backward users their own copies of zero3 gathers; returns how many.
+
+    Without hpZ a copy re-gathers from the shard (a graph input). With hpZ
+    (`hpz_group`: the intra-node group) the forward keeps a secondary shard of
+    the gathered weight over the node right after the gather, and the copy
+    gathers that inside the node: the partition saves the secondary shard.
+    """
     graph = joint.graph
     fwd = forward_nodes(graph, num_fwd_outputs)
     copies: dict[fx.Node, fx.Node] = {}
 
+    def regather(node: fx.Node, before: fx.Node) -> fx.Node:
+        if hpz_group is None:
+            with graph.inserting_before(before):
+                new = graph.call_function(UNSHARD, node.args, dict(node.kwargs))
+            new.meta = dict(node.meta)
+            return new
+        secondary = GraphBuilder(joint, node.next).call(SECONDARY_SHARD, node, hpz_group)
+        secondary.meta["partitioner_tag"] = "is_forward"
+        return GraphBuilder(joint, before).call(
+            UNSHARD_SECONDARY, secondary, list(node.args[1]), hpz_group
+        )
+
     def copy_chain(node: fx.Node, before: fx.Node) -> fx.Node:
         if node not in copies:
-            args = list(node.args)
-            if node.target != UNSHARD:
-                args[0] = copy_chain(node.args[0], before)
-            with graph.inserting_before(before):
-                new = graph.call_function(node.target, tuple(args), dict(node.kwargs))
-            new.meta = {**node.meta, "partitioner_tag": "is_backward"}
+            if node.target == UNSHARD:
+                new = regather(node, before)
+            else:
+                args = (copy_chain(node.args[0], before), *node.args[1:])
+                with graph.inserting_before(before):
+                    new = graph.call_function(node.target, args, dict(node.kwargs))
+                new.meta = dict(node.meta)
+            new.meta["partitioner_tag"] = "is_backward"
             copies[node] = new
         return copies[node]
 
@@ -83,8 +106,15 @@ def regather_in_backward(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
     return sum(1 for n in copies if n.target == UNSHARD)
 
 
-def zppc_partition(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
-    regather_in_backward(joint, num_fwd_outputs)
+def zppc_partition(
+    joint: fx.GraphModule,
+    joint_inputs,
+    *,
+    num_fwd_outputs: int,
+    hpz_group: str | None = None,
+    **kwargs,
+):
+    regather_in_backward(joint, num_fwd_outputs, hpz_group)
     return default_partition(
         joint,
         joint_inputs,

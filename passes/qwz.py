@@ -2,7 +2,7 @@
 
 Requires: the `zero` pass (it tags the wait node of every parameter
 all-gather). Runs on the forward graph and on the backward graph (the zero3
-re-gather; hpZ, once built, serves that one from the node instead).
+re-gather), except on hpZ's gathers inside the node, which stay unquantized.
 
 Rewrite, per gather: local shard -> quantize-and-pack (fp32 block scales
 followed by int8 or packed int4 values, one uint8 payload) -> one all-gather
@@ -25,7 +25,7 @@ import torch
 from torch import fx
 from zppc.kernels import quant
 from zppc.passes.graph_utils import GraphBuilder
-from zppc.passes.zero import PARAM_GATHER, UNQUANTIZED_BYTES, all_gather
+from zppc.passes.zero import NODE_LOCAL, PARAM_GATHER, UNQUANTIZED_BYTES, all_gather
 from zppc.runtime.topology import group_size
 
 c10d = torch.ops._c10d_functional
@@ -50,7 +50,7 @@ class GatherMatch:
 def find_param_gathers(graph: fx.Graph) -> list[GatherMatch]:
     matches = []
     for wait in graph.find_nodes(op="call_function", target=c10d.wait_tensor.default):
-        if not wait.meta.get(PARAM_GATHER):
+        if not wait.meta.get(PARAM_GATHER) or wait.meta.get(NODE_LOCAL):
             continue
         gather = wait.args[0]
         (record,) = [u for u in wait.users if u.target == torch.ops.zppc.record_comm.default]

@@ -13,6 +13,9 @@ their wait and a `zppc::record_comm` ledger hook:
   zero1: all-reduce(sum) of the padded flat gradient, then this rank's slice.
   ddp: all-reduce(sum), divide by world.
 
+- hpZ's secondary_shard: this rank's node-local slice (chosen at run time);
+  unshard_secondary: an all-gather inside the node, unpadded and viewed.
+
 Numerics: identical to the eager IR ops (same collectives, same order of
 operations), so compiled results equal eager ones up to reduction order.
 Must run first among the lowering passes (qwz, bucket, ... rewrite its output).
@@ -20,9 +23,13 @@ Must run first among the lowering passes (qwz, bucket, ... rewrite its output).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import fx
 from zppc.passes.graph_utils import (
+    SECONDARY_SHARD,
+    UNSHARD_SECONDARY,
     GraphBuilder,
     ReduceGradMatch,
     UnshardMatch,
@@ -40,6 +47,10 @@ zppc_ops = torch.ops.zppc
 def zero_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     for match in find_unshards(gm.graph):
         replace_node(match.node, lower_unshard(gm, match))
+    for node in gm.graph.find_nodes(op="call_function", target=SECONDARY_SHARD):
+        replace_node(node, lower_secondary_shard(gm, node))
+    for node in gm.graph.find_nodes(op="call_function", target=UNSHARD_SECONDARY):
+        replace_node(node, lower_unshard_secondary(gm, node))
     for match in find_reduce_grads(gm.graph):
         replace_node(match.node, lower_reduce_grad(gm, match))
     return gm
@@ -71,6 +82,8 @@ PARAM_GATHER = "zppc_param_gather"
 # meta key on a wait node whose collective moves quantized data: the bytes per
 # rank the unquantized collective would have moved (the schedule shows both).
 UNQUANTIZED_BYTES = "zppc_unquantized_bytes"
+# meta key on the wait node of an hpZ gather inside the node (qwz leaves it).
+NODE_LOCAL = "zppc_node_local"
 
 
 def unpad_to_shape(b: GraphBuilder, flat: fx.Node, shape: tuple[int, ...], numel: int) -> fx.Node:
@@ -87,6 +100,26 @@ def lower_unshard(gm: fx.GraphModule, m: UnshardMatch) -> fx.Node:
     gathered = all_gather(b, local, m.group_name)
     gathered.meta[PARAM_GATHER] = True
     return unpad_to_shape(b, gathered, m.shape, m.numel)
+
+
+def lower_secondary_shard(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
+    """hpZ: this rank's piece of the gathered weight over its node."""
+    full, group_name = node.args
+    b = GraphBuilder(gm, node)
+    numel = full.meta["val"].numel()
+    flat = flatten_padded(b, full, -(-numel // group_size(group_name)) * group_size(group_name))
+    return b.call(zppc_ops.take_shard.default, flat, group_name)
+
+
+def lower_unshard_secondary(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
+    """hpZ: the backward's gather, inside the node (never quantized: hpZ already
+    keeps it off the slow links)."""
+    secondary, shape, group_name = node.args
+    b = GraphBuilder(gm, node)
+    gathered = all_gather(b, secondary, group_name)
+    gathered.meta[PARAM_GATHER] = True
+    gathered.meta[NODE_LOCAL] = True
+    return unpad_to_shape(b, gathered, tuple(shape), math.prod(shape))
 
 
 def flatten_padded(b: GraphBuilder, grad: fx.Node, total: int) -> fx.Node:

@@ -52,7 +52,7 @@ def test_bad_values_name_the_field(kwargs, words):
 
 
 def test_unbuilt_features_refuse_instead_of_ignoring():
-    for kwargs in (dict(hpz=True), dict(qgz="int4"), dict(osp=0.3), dict(strategy="rtp")):
+    for kwargs in (dict(qgz="int4"), dict(osp=0.3), dict(strategy="rtp")):
         with pytest.raises(NotImplementedError, match="not implemented yet"):
             zppc.Config(**kwargs)
 

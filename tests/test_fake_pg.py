@@ -83,3 +83,19 @@ def test_buckets_respect_the_size_limit(fake_world):
     assert len(forward) < len(shard_bytes)
     for c in forward:
         assert c.bytes_per_peer <= max(limit, max(shard_bytes))
+
+
+@pytest.mark.parametrize("fake_world", [(384, 40)], indirect=True)
+def test_hpz_keeps_backward_gathers_inside_the_node(fake_world):
+    config = zppc.Config(node_size=16, hpz=True, lowering="eager")
+    _, inspection = compile_one_step(config)
+    backward_gathers = [
+        c for c in inspection.schedule if c.graph == "backward" and c.kind == "all_gather"
+    ]
+    assert backward_gathers
+    for c in backward_gathers:
+        assert c.group_size == 16 and c.inter_node_bytes == 0
+    plain = compile_one_step(zppc.Config(node_size=16, lowering="eager"))[1].schedule
+    inter = lambda sched: sum(c.inter_node_bytes for c in sched)  # noqa: E731
+    # ZeRO++: hpZ removes the backward's share of the cross-node bytes.
+    assert inter(inspection.schedule) < inter(plain)

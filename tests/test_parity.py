@@ -28,10 +28,10 @@ def check(result):
     assert result["losses"][-1] < result["losses"][0], "training did not reduce the loss"
 
 
-def run_matrix(rank, world, strategy, node_size, lowering, cases):
+def run_matrix(rank, world, strategy, node_size, lowering, cases, extra=None):
     results = {}
     for model_name, optimizer in cases:
-        cfg = dict(strategy=strategy, node_size=node_size, lowering=lowering)
+        cfg = dict(strategy=strategy, node_size=node_size, lowering=lowering, **(extra or {}))
         results[(model_name, optimizer)] = train_against_reference(
             rank, world, model_name, cfg, optimizer
         )
@@ -80,3 +80,14 @@ def test_graph_break_gives_two_graphs_and_parity():
 def test_parity_under_inductor():
     result = run_ranks(run_matrix, 2, "zero3", 1, "inductor", [("mlp", "adamw")], timeout=840)[0]
     check(result[("mlp", "adamw")])
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_hpz_parity_with_single_process():
+    # hpZ only changes where the backward gathers from: numerics preserving.
+    cases = [("mlp", "adamw"), ("gpt", "sgd"), ("frozen", "adamw")]
+    per_rank = run_ranks(run_matrix, 4, "zero3", 2, "eager", cases, {"hpz": True}, timeout=540)
+    for results in per_rank:
+        for result in results.values():
+            check(result)

@@ -77,3 +77,31 @@ def test_ledger_matches_formula_and_schedule(bucket):
         else:
             assert stats["calls"] == {"all_gather": 5, "reduce_scatter": 3}
             assert [c[1] for c in schedule if c[0] == "forward"] == ["all_gather"] * 3
+
+
+def test_hpz_backward_gathers_inside_the_node():
+    world, node_size = 4, 2
+    results = run_ranks(one_step_ledger, world, node_size, ("bucket",), True)
+    shapes = results[0]["shapes"]
+    shard = {name: math.ceil(math.prod(s) / world) * 4 for name, s in shapes.items()}
+    secondary = {name: math.ceil(math.prod(s) / node_size) * 4 for name, s in shapes.items()}
+    gathered_fwd = sum(shard.values())
+    gathered_bwd = secondary["l2.weight"] + secondary["l3.weight"]  # from the 1 peer on my node
+    scattered = sum(shard.values())
+    for result in results:
+        stats = result["stats"]
+        # The backward's gathers never leave the node: inter-node traffic is the
+        # forward gather and the gradient reduce-scatter only.
+        assert stats["inter_node_bytes"] == 2 * (gathered_fwd + scattered)
+        assert stats["intra_node_bytes"] == gathered_fwd + gathered_bwd + scattered
+        backward_gathers = [c for c in result["schedule"] if c[:2] == ("backward", "all_gather")]
+        assert len(backward_gathers) == 2
+        assert all(c[3] == 0 and c[4] == node_size for c in backward_gathers)
+
+
+def test_hpz_saves_secondary_shards_not_full_weights():
+    result = run_ranks(saved_for_backward, 4, "zero3", True)[0]
+    assert full_weights_saved(result) == []
+    # fc2 and fc3 are needed in backward: their node halves are saved instead.
+    halves = {(math.ceil(37 * 23 / 2),), (math.ceil(23 * 5 / 2),)}
+    assert halves <= set(result["saved"])

@@ -92,14 +92,14 @@ def graph_hashes(rank, world, model_name, config_kwargs):
     return hashlib.sha256("\n".join(codes).encode()).hexdigest()
 
 
-def saved_for_backward(rank, world, strategy):
+def saved_for_backward(rank, world, strategy, hpz=False):
     """Shapes of the tensors the compiled forward saves for backward, and the
     full weight shapes they must not include under zero3."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = MODELS["mlp"]()
     weight_shapes = sorted(tuple(p.shape) for p in model.parameters() if p.dim() == 2)
-    zppc.distribute(model, zppc.Config(strategy=strategy, lowering="eager"))
+    zppc.distribute(model, zppc.Config(strategy=strategy, hpz=hpz, node_size=2, lowering="eager"))
     step = torch.compile(model, backend="zppc")
     x, y = model.batch(0)
     saved = []
@@ -147,13 +147,15 @@ def training_state_bytes(rank, world, strategy):
     return result
 
 
-def one_step_ledger(rank, world, node_size, disable_passes=()):
+def one_step_ledger(rank, world, node_size, disable_passes=(), hpz=False):
     """The ledger and the compiled schedule of one zero3 training step."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = MODELS["chain"]()
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    config = zppc.Config(node_size=node_size, lowering="eager", disable_passes=disable_passes)
+    config = zppc.Config(
+        node_size=node_size, lowering="eager", disable_passes=disable_passes, hpz=hpz
+    )
     zppc.distribute(model, config)
     step = torch.compile(model, backend="zppc")
     x, y = model.batch(0)
@@ -162,7 +164,7 @@ def one_step_ledger(rank, world, node_size, disable_passes=()):
     step(local_slice(x, rank, world), local_slice(y, rank, world)).backward()
     stats = zppc.comm_stats().as_dict()
     schedule = [
-        (c.graph, c.kind, c.intra_node_bytes, c.inter_node_bytes)
+        (c.graph, c.kind, c.intra_node_bytes, c.inter_node_bytes, c.group_size)
         for c in zppc.inspect(step).schedule
     ]
     return {"stats": stats, "schedule": schedule, "shapes": shapes}

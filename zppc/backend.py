@@ -8,6 +8,7 @@ execution (`lowering="eager"`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -71,6 +72,7 @@ def compile_distributed(gm, example_inputs, config: Config, state: DistributedSt
     record = CompileRecord(config=config)
     register_compile(record, state)
     gm = run_passes(gm, PassContext(config, "dynamo", record.passes["dynamo"]))
+    hpz_group = state.groups.intra_node if config.hpz else None
 
     def passes_then(lower):
         def compiler(graph: fx.GraphModule, inputs, **kw):
@@ -93,7 +95,7 @@ def compile_distributed(gm, example_inputs, config: Config, state: DistributedSt
         return aot_autograd(
             fw_compiler=fw,
             bw_compiler=lambda g, i: bw(g, i, is_backward=True),
-            partition_fn=zppc_partition,
+            partition_fn=partial(zppc_partition, hpz_group=hpz_group),
             keep_inference_input_mutations=True,
         )(gm, example_inputs)
 
@@ -102,7 +104,9 @@ def compile_distributed(gm, example_inputs, config: Config, state: DistributedSt
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     with (
-        inductor_config.patch(custom_partitioner_fn=_ZppcPartitioner(), fx_graph_cache=False),
+        inductor_config.patch(
+            custom_partitioner_fn=_ZppcPartitioner(hpz_group), fx_graph_cache=False
+        ),
         functorch_config.patch(enable_autograd_cache=False),
     ):
         return compile_fx(gm, example_inputs, inner_compile=passes_then(compile_fx_inner))
@@ -149,8 +153,11 @@ def _wrap_parameters_for_ddp(gm: fx.GraphModule, example_inputs, config: Config)
 class _ZppcPartitioner(CustomPartitionerFn):
     """zppc_partition in the form Inductor's config accepts."""
 
+    def __init__(self, hpz_group: str | None):
+        self.hpz_group = hpz_group
+
     def __call__(self, gm, joint_inputs, **kwargs):
-        return zppc_partition(gm, joint_inputs, **kwargs)
+        return zppc_partition(gm, joint_inputs, hpz_group=self.hpz_group, **kwargs)
 
     def uuid(self):
         return None  # never reuse cached code: the passes depend on the Config

@@ -27,7 +27,6 @@ DEFAULT_BLOCK = {"int8": 2048, "int4": 128}
 # Features that are part of the contract but not built yet. Asking for one is an
 # error, never a silent no-op.
 NOT_YET_BUILT = {
-    "hpz": "hpZ secondary partition",
     "qgz": "qgZ quantized gradient all-to-all",
     "osp": "OSP two-stage gradient synchronization",
     "rtp": "RTP rotated weight shards",

@@ -84,3 +84,37 @@ def _unshard_backward(ctx, grad: Tensor):
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup)
+
+
+# hpZ: after the forward gather each rank keeps a *secondary* shard of the full
+# weight over its node, and the backward re-gathers from the node only. Both
+# ops are inserted by zppc's partition function (never by user code), so the
+# secondary shard lives exactly from the forward that made it to the backward
+# that consumes it: it cannot go stale.
+
+
+@torch.library.custom_op("zppc::secondary_shard", mutates_args=())
+def secondary_shard(full: Tensor, group_name: str) -> Tensor:
+    """This rank's 1/g piece of a full parameter, g the size of `group_name`
+    (the node), padded like a primary shard."""
+    world = group_size(group_name)
+    flat = full.reshape(-1)
+    padded = torch.nn.functional.pad(flat, (0, -(-flat.numel() // world) * world - flat.numel()))
+    return collectives.take_shard(padded, group_name)
+
+
+@secondary_shard.register_fake
+def _(full, group_name):
+    return full.new_empty(-(-full.numel() // group_size(group_name)))
+
+
+@torch.library.custom_op("zppc::unshard_secondary", mutates_args=())
+def unshard_secondary(secondary: Tensor, shape: list[int], group_name: str) -> Tensor:
+    """The full parameter from the node's secondary shards (a gather inside the node)."""
+    full = collectives.all_gather_flat(secondary, group_name)
+    return full[: math.prod(shape)].view(shape).clone()
+
+
+@unshard_secondary.register_fake
+def _(secondary, shape, group_name):
+    return secondary.new_empty(shape)
