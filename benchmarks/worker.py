@@ -31,6 +31,7 @@ CONFIGS: dict[str, tuple[str, dict | None]] = {
     "zppc-zero3-qwz-int8": ("zppc", {"strategy": "zero3", "qwz": "int8"}),
     "zppc-zero3-qwz-int4": ("zppc", {"strategy": "zero3", "qwz": "int4"}),
     "zppc-zero3-hpz": ("zppc", {"strategy": "zero3", "hpz": True}),
+    "zppc-zero3-qwz-int8-hpz": ("zppc", {"strategy": "zero3", "qwz": "int8", "hpz": True}),
     "zppc-zero3-qgz": ("zppc", {"strategy": "zero3", "qgz": "int4"}),
     "zppc-zero++": ("zppc", {"strategy": "zero3", "qwz": "int8", "hpz": True, "qgz": "int4"}),
     "zppc-osp": ("zppc", {"strategy": "zero3", "osp": 0.5}),

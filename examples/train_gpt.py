@@ -35,6 +35,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--qwz", default="int8", choices=["int8", "int4", "none"], help="quantized weight gathers"
     )
+    p.add_argument(
+        "--hpz",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="backward gathers inside the node",
+    )
     p.add_argument("--node-size", type=int, default=None)
     p.add_argument("--lowering", default="inductor", choices=["inductor", "eager"])
     p.add_argument("--corpus-mb", type=float, default=8.0)
@@ -55,8 +61,9 @@ def main() -> None:
     model = GPT(cfg)
     n_params = sum(p.numel() for p in model.parameters())
     qwz = None if args.qwz == "none" or args.strategy == "ddp" else args.qwz
+    hpz = args.hpz and args.strategy == "zero3"
     config = zppc.Config(
-        strategy=args.strategy, qwz=qwz, node_size=args.node_size, lowering=args.lowering
+        strategy=args.strategy, qwz=qwz, hpz=hpz, node_size=args.node_size, lowering=args.lowering
     )
     zppc.distribute(model, config)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
@@ -67,7 +74,7 @@ def main() -> None:
     train = random_windows(data[:split], args.batch_size, block, seed=1000 + rank)
     if rank == 0:
         print(
-            f"zppc {args.strategy}{' + qwz ' + qwz if qwz else ''} on {world} ranks ({args.lowering}): GPT {args.preset} "
+            f"zppc {args.strategy}{' + qwz ' + qwz if qwz else ''}{' + hpz' if hpz else ''} on {world} ranks ({args.lowering}): GPT {args.preset} "
             f"{n_params / 1e6:.2f}M parameters, corpus {data.numel() / 2**20:.1f} MB of stdlib source"
         )
     bar = tqdm(range(args.steps), disable=rank != 0, unit="step", dynamic_ncols=True)
