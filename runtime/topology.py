@@ -34,9 +34,6 @@ class Topology:
     def node_of(self, rank: int) -> int:
         return rank // self.node_size
 
-    def same_node(self, a: int, b: int) -> bool:
-        return self.node_of(a) == self.node_of(b)
-
     def intra_node_groups(self) -> list[list[int]]:
         """Ranks of each node, node by node."""
         return [

@@ -171,11 +171,6 @@ class Config:
         """The qwZ block size in effect."""
         return self.qwz_block or DEFAULT_BLOCK.get(self.qwz, 0)
 
-    @property
-    def sharded(self) -> bool:
-        """Whether parameters are stored as flat 1/world shards."""
-        return self.strategy in ("zero1", "zero2", "zero3")
-
 
 def _check_choice(name: str, value: Any, choices: tuple) -> None:
     if value not in choices:
