@@ -317,7 +317,7 @@ def on_grid(model) -> None:
     with torch.no_grad():
         for fqn, spec in state.specs.items():
             shard = state.shard(fqn)
-            valid = max(0, min(spec.shard_numel, spec.numel - dist.get_rank() * spec.shard_numel))
+            valid = spec.valid_numel(dist.get_rank())
             shard.zero_()
             if valid:
                 shard[:valid] = torch.randint(-127, 128, (valid,), generator=g).float() / 128

@@ -28,18 +28,11 @@ def _state(model: nn.Module) -> DistributedState:
     return state
 
 
-def _valid(spec: ShardSpec, rank: int) -> int:
-    """Elements of this rank's shard that are real (the rest is padding)."""
-    if spec.mode == "ddp":
-        return spec.numel
-    return max(0, min(spec.shard_numel, spec.numel - rank * spec.shard_numel))
-
-
 def _as_dtensor(spec: ShardSpec, local: Tensor, mesh) -> Tensor:
     """This rank's shard-shaped tensor as a piece of the flat logical parameter."""
     if spec.mode == "ddp":
         return local  # replicated: every rank holds the same full tensor
-    piece = local.view(-1)[: _valid(spec, dist.get_rank())]
+    piece = local.view(-1)[: spec.valid_numel(dist.get_rank())]
     return DTensor.from_local(
         piece, mesh, [Shard(0)], run_check=False, shape=(spec.numel,), stride=(1,)
     )
@@ -82,7 +75,7 @@ def save(model: nn.Module, opt: torch.optim.Optimizer | None, path: str) -> None
 
 
 @torch.no_grad()
-def _init_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
     """Give a fresh optimizer its state tensors (loaded over right after) by one
     step with zero gradients and zero learning rate: parameters do not move."""
     if all(p in opt.state for group in opt.param_groups for p in group["params"]):
@@ -105,7 +98,7 @@ def load(model: nn.Module, opt: torch.optim.Optimizer | None, path: str) -> None
     """Read the checkpoint at `path` into the model's shards (and the optimizer),
     whatever the world size it was saved with."""
     if opt is not None:
-        _init_optimizer_state(model, opt)
+        _init_optimizer_state(opt)
     sd = _state_dict(model, opt)
     # Tensors (shard pieces, replicated tensors, optimizer moments and steps)
     # are loaded in place; only plain Python values come back as new objects.

@@ -49,6 +49,12 @@ class ShardSpec:
             return self.numel
         return -(-self.numel // self.world_size)
 
+    def valid_numel(self, rank: int) -> int:
+        """Elements of `rank`'s shard that are real (the rest is padding)."""
+        if self.mode == "ddp":
+            return self.numel
+        return max(0, min(self.shard_numel, self.numel - rank * self.shard_numel))
+
     def shard_of(self, full: Tensor, rank: int) -> Tensor:
         """This rank's piece of the full tensor (what `distribute` stores)."""
         if self.mode == "ddp":
