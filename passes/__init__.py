@@ -91,7 +91,11 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             continue
         before = op_census(gm.graph)
         gm = p.fn(gm, ctx)
-        gm.graph.eliminate_dead_code()
+        if ctx.graph_kind != "dynamo":
+            # Only aot graphs are functional. In the dynamo graph an in-place
+            # method with no users (BatchNorm's `num_batches_tracked.add_(1)`)
+            # looks dead to FX, and removing it loses the buffer update.
+            gm.graph.eliminate_dead_code()
         lint(gm, ctx.graph_kind)
         gm.recompile()
         after = op_census(gm.graph)

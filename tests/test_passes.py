@@ -141,3 +141,26 @@ def test_run_passes_records_every_pass(fake_pg):
     assert [r.name for r in ctx.records] == ["input", "zero", "bucket"]
     assert ctx.records[1].removed == {"unshard.default": 1, "reduce_grad.default": 1}
     assert op_census(graphs["backward"].graph)["record_comm.default"] == 2
+
+
+def test_dynamo_graph_keeps_in_place_updates_nobody_reads():
+    """Root cause of lost buffer mutations: the dynamo graph is not functional,
+    and FX's dead-code elimination calls `num_batches_tracked.add_(1)` (a method
+    call whose result nobody reads) dead. The dynamo passes must keep it."""
+    captured = {}
+
+    def capture(gm, example_inputs):
+        captured["gm"] = gm
+        return gm.forward
+
+    bn = torch.nn.BatchNorm1d(3)
+    torch._dynamo.reset()
+    torch.compile(bn, backend=capture)(torch.randn(4, 3))
+    gm = captured["gm"]
+
+    def in_place_updates(graph):
+        return [n for n in graph.nodes if n.op == "call_method" and n.target == "add_"]
+
+    assert in_place_updates(gm.graph), gm.code
+    gm = run_passes(gm, PassContext(zppc.Config(), "dynamo"))
+    assert in_place_updates(gm.graph), gm.code
