@@ -103,11 +103,16 @@ def compile_distributed(gm, example_inputs, config: Config, state: DistributedSt
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
+    # aot_autograd marks saved tensors as "donated" (the backward may reuse their
+    # storage) from the partitioned graph, before zppc's passes lower the IR.
+    # There a ddp weight is `unshard`'s fresh output; after the `zero` pass it is
+    # an alias of the parameter, whose storage the backward must never reuse.
+    donation_is_sound = config.strategy != "ddp"
     with (
         inductor_config.patch(
             custom_partitioner_fn=_ZppcPartitioner(hpz_group), fx_graph_cache=False
         ),
-        functorch_config.patch(enable_autograd_cache=False),
+        functorch_config.patch(enable_autograd_cache=False, donated_buffer=donation_is_sound),
     ):
         return compile_fx(gm, example_inputs, inner_compile=passes_then(compile_fx_inner))
 
