@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint format clean bench bench-quick
+.PHONY: demo test test-slow lint format clean bench bench-quick
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -19,6 +19,10 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# The broadest matrices (marked slow): CI runs them after `make test`.
+test-slow: $(VENV)/.installed
+	$(PY) -m pytest -q -p no:cacheprovider -m slow $(PYTEST_ARGS)
 
 # The emulated multi-node benchmark (root, iproute2): DDP, FSDP2, DeepSpeed, zppc.
 bench: $(VENV)/.installed

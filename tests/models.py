@@ -92,3 +92,61 @@ class Chain(nn.Module):
 
 
 MODELS["chain"] = Chain
+
+
+class PaddedMLP(nn.Module):
+    """The model of the "Inductor trains wrong" report: Linear 13->31, LayerNorm,
+    Linear 31->5 and a 1-element scale; no size divides by 2 or 4."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(13, 31)
+        self.ln = nn.LayerNorm(31)
+        self.l2 = nn.Linear(31, 5)
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x, y):
+        return F.mse_loss(self.scale * self.l2(self.ln(torch.tanh(self.l1(x)))), y)
+
+    batch = OddMLP.batch
+
+
+class EvenMLP(nn.Module):
+    """Every size divides by 2 and 4: no padding anywhere."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(16, 32)
+        self.l2 = nn.Linear(32, 8)
+
+    def forward(self, x, y):
+        return F.mse_loss(self.l2(torch.relu(self.l1(x))), y)
+
+    @staticmethod
+    def batch(step: int, n: int = 8):
+        g = torch.Generator().manual_seed(step)
+        return torch.randn(n, 16, generator=g), torch.randn(n, 8, generator=g)
+
+
+class BatchNormNet(nn.Module):
+    """Buffers mutated in forward: BatchNorm's running statistics and counter,
+    and a user counter. Batch statistics are per rank (as with DDP), so the
+    reference runs each rank's slice separately (`local_statistics`)."""
+
+    local_statistics = True
+
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(13, 11, bias=False)  # BatchNorm would cancel a bias exactly
+        self.bn = nn.BatchNorm1d(11)
+        self.l2 = nn.Linear(11, 5)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x, y):
+        self.calls += 1
+        return F.mse_loss(self.l2(torch.tanh(self.bn(self.l1(x)))), y)
+
+    batch = OddMLP.batch
+
+
+MODELS.update(padded=PaddedMLP, even=EvenMLP, batchnorm=BatchNormNet)

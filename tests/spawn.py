@@ -11,6 +11,7 @@ import io
 import os
 import queue
 import tempfile
+import time
 import traceback
 
 import torch.multiprocessing as mp
@@ -56,16 +57,29 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, env: dict | No
             p.start()
         values: dict[int, object] = {}
         errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
         try:
-            for _ in range(world_size):
-                rank, status, value = results.get(timeout=timeout)
+            while len(values) < world_size and not errors:
+                try:
+                    rank, status, value = results.get(timeout=1.0)
+                except queue.Empty:
+                    # A rank that died without reporting (killed, crashed in C++)
+                    # fails the job now rather than at the deadline.
+                    dead = [
+                        r
+                        for r, p in enumerate(procs)
+                        if p.exitcode not in (None, 0) and r not in values
+                    ]
+                    if dead:
+                        codes = {r: procs[r].exitcode for r in dead}
+                        raise AssertionError(f"ranks died without a result: {codes}") from None
+                    if time.monotonic() > deadline:
+                        missing = sorted(set(range(world_size)) - set(values))
+                        raise TimeoutError(
+                            f"ranks {missing} did not finish within {timeout}s"
+                        ) from None
+                    continue
                 (values if status == "ok" else errors)[rank] = value
-                if errors:
-                    break
-        except queue.Empty:
-            raise TimeoutError(
-                f"ranks {sorted(set(range(world_size)) - set(values))} did not finish within {timeout}s"
-            ) from None
         finally:
             for p in procs:
                 p.join(timeout=5 if not errors else 0.5)
