@@ -59,6 +59,16 @@ class BrokenMLP(OddMLP):
         return F.mse_loss(self.scale * self.fc3(h), y)
 
 
+class TailBreakMLP(OddMLP):
+    """A graph break after the last parameter use: the second graph has no
+    parameter at all."""
+
+    def forward(self, x, y):
+        out = self.scale * self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+        torch._dynamo.graph_break()
+        return F.mse_loss(out, y)
+
+
 class TinyGPT(GPT):
     def __init__(self):
         super().__init__(PRESETS["gpt-tiny"])
@@ -70,7 +80,13 @@ class TinyGPT(GPT):
         return tokens[:, :-1], tokens[:, 1:]
 
 
-MODELS = {"mlp": OddMLP, "frozen": FrozenMLP, "gpt": TinyGPT, "broken": BrokenMLP}
+MODELS = {
+    "mlp": OddMLP,
+    "frozen": FrozenMLP,
+    "gpt": TinyGPT,
+    "broken": BrokenMLP,
+    "tail_break": TailBreakMLP,
+}
 
 
 class Chain(nn.Module):

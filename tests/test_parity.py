@@ -10,7 +10,7 @@ a stale or misplaced shard) shows up as 1e-2 or more.
 
 import pytest
 from spawn import run_ranks
-from workers import train_against_reference
+from workers import parameter_free_graph, train_against_reference
 
 LOSS_TOL = 1e-5
 PARAM_TOL = 5e-5
@@ -83,3 +83,18 @@ def test_hpz_parity_with_single_process():
     for results in per_rank:
         for result in results.values():
             check(result)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_parameter_free_graph_keeps_the_models_topology_and_lowering():
+    """Before: the parameter-free graph took the undistributed-model fallback,
+    which re-made the process-wide topology (node_size 2 -> LOCAL_WORLD_SIZE,
+    so the ledger saw no inter-node bytes) and compiled with Inductor."""
+    for result in run_ranks(parameter_free_graph, 4, timeout=540):
+        assert result["node_size"] == 2
+        assert result["stats"]["inter_node_bytes"] > 0
+        assert result["stats"]["intra_node_bytes"] > 0
+        assert result["records"] == 1  # one distributed graph; the tail is plain compute
+        compiled, eager = result["losses"]
+        assert abs(compiled - eager) <= LOSS_TOL * max(1.0, abs(eager))

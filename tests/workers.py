@@ -409,3 +409,60 @@ def qwz_lowerings(rank, world, steps=3):
             distributed_step(step, opt, *model.batch(i), rank, world) for i in range(steps)
         ]
     return result
+
+
+def mismatched_setup(rank, world, kind):
+    """distribute with a Config or model that differs on some ranks; returns the
+    error text and how long it took to appear."""
+    import time
+
+    config = {"lowering": "eager"}
+    model_name = "mlp"
+    if kind == "strategy":
+        config["strategy"] = "zero3" if rank < 2 else "ddp"
+    elif kind == "node_size":
+        config.update(hpz=True, node_size=4 if rank == 0 else 2)
+    elif kind == "qwz":
+        config["qwz"] = "int8" if rank < 2 else None
+    elif kind == "model":
+        model_name = "chain" if rank == 3 else "mlp"
+    start = time.monotonic()
+    try:
+        zppc.distribute(MODELS[model_name](), zppc.Config(**config))
+    except ValueError as exc:
+        return {"error": str(exc), "seconds": time.monotonic() - start}
+    return {"error": None, "seconds": time.monotonic() - start}
+
+
+def parameter_free_graph(rank, world):
+    """zero3 on 2 nodes of 2, eager lowering, a model whose graph break leaves a
+    parameter-free graph: the topology, the ledger's split and the lowering
+    must stay the model's."""
+    import torch._inductor.compile_fx as inductor_entry
+    from zppc.runtime.topology import current_topology
+
+    def no_inductor(*args, **kwargs):
+        raise AssertionError("Inductor was called although the model asked for eager")
+
+    inductor_entry.compile_fx = no_inductor
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MODELS["tail_break"]()
+    uncompiled = copy.deepcopy(model)
+    zppc.distribute(model, zppc.Config(node_size=2, lowering="eager"))
+    zppc.distribute(uncompiled, zppc.Config(node_size=2, lowering="eager"))
+    step = torch.compile(model, backend="zppc")
+    x, y = model.batch(0)
+    x, y = local_slice(x, rank, world), local_slice(y, rank, world)
+    step(x, y).backward()  # compiles both graphs
+    zppc.reset_comm_stats()
+    compiled_loss = step(x, y)
+    compiled_loss.backward()
+    stats = zppc.comm_stats().as_dict()
+    eager_loss = uncompiled(x, y)
+    return {
+        "stats": stats,
+        "node_size": current_topology().node_size,
+        "losses": (compiled_loss.item(), eager_loss.item()),
+        "records": len(zppc.inspect(step).compiles),
+    }

@@ -18,7 +18,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 import zppc.ir  # noqa: F401
 from zppc.config import Config
-from zppc.distribute import DistributedState, state_of_shard
+from zppc.distribute import DistributedState, live_states, state_of_shard
 from zppc.passes import PassContext, run_passes
 from zppc.passes.partition import zppc_partition
 from zppc.runtime.topology import Topology, default_node_size, setup_groups
@@ -34,6 +34,13 @@ def zppc_backend(
     """Entry point of `torch.compile(model, backend="zppc", options={...})`."""
     options = dict(options or {})
     state = _find_state(example_inputs)
+    if state is None and not any(isinstance(t, nn.Parameter) for t in example_inputs):
+        # No parameter, so nothing to communicate: a graph break of a distributed
+        # model can leave such a graph. It keeps its model's lowering and must not
+        # touch the topology (the ledger's intra/inter split depends on it).
+        owner = _state_of_compiling_frame() or _only_live_state()
+        base = owner.config if owner is not None else Config()
+        return _lower_plain(gm, example_inputs, base.replace(**options))
     if state is not None:
         fixed = sorted(
             k
@@ -66,6 +73,27 @@ def _find_state(example_inputs: Sequence[Any]) -> DistributedState | None:
             "one compiled graph uses parameters of two models passed to zppc.distribute"
         )
     return next(iter(states.values()), None)
+
+
+def _state_of_compiling_frame() -> DistributedState | None:
+    """The distributed model whose `forward` dynamo is compiling, if any: found
+    through the frame's `self` (dynamo's translator of the current frame)."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        module = InstructionTranslator.current_tx().f_locals.get("self")
+    except AttributeError:  # not inside a dynamo frame translation
+        return None
+    if not isinstance(module, nn.Module):
+        return None
+    return next(filter(None, map(state_of_shard, module.parameters())), None)
+
+
+def _only_live_state() -> DistributedState | None:
+    """The distributed models alive in this process, if they all share one Config."""
+    states = {id(s): s for s in live_states()}
+    configs = {s.config for s in states.values()}
+    return next(iter(states.values())) if len(configs) == 1 else None
 
 
 def compile_distributed(gm, example_inputs, config: Config, state: DistributedState | None):

@@ -10,6 +10,8 @@ IR the backend's passes lower.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -95,6 +97,11 @@ def state_of_shard(t: object) -> DistributedState | None:
     return entry[1]
 
 
+def live_states() -> list[DistributedState]:
+    """States of the distributed models whose shards are still alive."""
+    return [state for ref, state in list(_STATE_OF_SHARD.values()) if ref() is not None]
+
+
 def state_of(model: nn.Module) -> DistributedState | None:
     return getattr(model, "_zppc_state", None)
 
@@ -115,14 +122,21 @@ def distribute(model: nn.Module, config: Config | None = None) -> nn.Module:
         )
     world, rank = dist.get_world_size(), dist.get_rank()
     node_size = config.node_size or default_node_size(world)
-    if node_size > world:
-        raise ValueError(f"node_size ({node_size}) is larger than world_size ({world})")
-    if (config.hpz or config.qgz) and world % node_size:
-        raise ValueError(f"hpz/qgz need world_size % node_size == 0, got {world} % {node_size}")
-    _check_model(model)
+    try:
+        if node_size > world:
+            raise ValueError(f"node_size ({node_size}) is larger than world_size ({world})")
+        if (config.hpz or config.qgz) and world % node_size:
+            raise ValueError(f"hpz/qgz need world_size % node_size == 0, got {world} % {node_size}")
+        _check_model(model)
+        local_error = None
+    except ValueError as exc:
+        local_error = exc
+    # First collective: every rank reaches it, whatever its own checks found, so
+    # that disagreeing ranks are named instead of left waiting for each other.
+    check_agreement(config, node_size, model, local_error)
 
     topology = Topology(world_size=world, node_size=node_size)
-    groups = setup_groups(topology)  # first collective
+    groups = setup_groups(topology)
 
     state = DistributedState(config=config, topology=topology, groups=groups)
     by_param: dict[int, str] = {}
@@ -161,6 +175,65 @@ def distribute(model: nn.Module, config: Config | None = None) -> nn.Module:
             _STATE_OF_SHARD[id(shard)] = (weakref.ref(shard), state)
     model._zppc_state = state
     return model
+
+
+# Config fields that change nothing another rank can see.
+LOCAL_ONLY_FIELDS = ("log_passes",)
+
+
+def fingerprint(config: Config, node_size: int, model: nn.Module) -> dict[str, str]:
+    """What every rank must hold identically: each Config field, the resolved
+    node size, and the model's parameters and buffers (name, shape, dtype,
+    requires_grad) as one digest."""
+    fields = {
+        f"Config.{f.name}": repr(getattr(config, f.name))
+        for f in dataclasses.fields(config)
+        if f.name not in LOCAL_ONLY_FIELDS
+    }
+    fields["node_size in effect"] = str(node_size)
+    structure = [
+        (kind, name, tuple(t.shape), str(t.dtype), t.requires_grad)
+        for kind, named in (
+            ("parameter", model.named_parameters()),
+            ("buffer", model.named_buffers()),
+        )
+        for name, t in named
+    ]
+    fields["model structure"] = hashlib.sha256(repr(structure).encode()).hexdigest()[:16]
+    return fields
+
+
+def check_agreement(
+    config: Config, node_size: int, model: nn.Module, local_error: ValueError | None
+) -> None:
+    """One small all-gather: raise the same ValueError on every rank if ranks
+    hold different Configs, node sizes or models (naming the field and which
+    ranks hold which value), or if any rank's own checks failed."""
+    mine = {
+        "fields": fingerprint(config, node_size, model),
+        "error": local_error and str(local_error),
+    }
+    everyone: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    dist.all_gather_object(everyone, mine)
+    differences = []
+    for key in everyone[0]["fields"]:
+        holders: dict[str, list[int]] = {}
+        for r, theirs in enumerate(everyone):
+            holders.setdefault(theirs["fields"].get(key, "<missing>"), []).append(r)
+        if len(holders) > 1:
+            described = "; ".join(f"{v} on ranks {rs}" for v, rs in holders.items())
+            differences.append(f"{key}: {described}")
+    if differences:
+        raise ValueError(
+            "zppc.distribute: ranks disagree, so their collectives would not match: "
+            + " | ".join(differences)
+        )
+    errors = {r: e["error"] for r, e in enumerate(everyone) if e["error"]}
+    if errors:
+        first = min(errors)
+        raise ValueError(
+            errors[first] if len(set(errors.values())) == 1 else f"rank {first}: {errors[first]}"
+        )
 
 
 _UNSUPPORTED = (nn.RNNBase,)
@@ -294,13 +367,15 @@ def full_parameters(model: nn.Module) -> dict[str, Tensor]:
     state = state_of(model)
     if state is None:
         raise ValueError("full_parameters needs a model passed to zppc.distribute")
-    result = {}
-    for fqn, spec in state.specs.items():
-        shard = state.shard(fqn)
-        if spec.mode == "ddp":
-            result[fqn] = shard.detach().clone()
-            continue
-        gathered = shard.new_empty(spec.shard_numel * spec.world_size)
-        dist.all_gather_single(gathered, shard.detach().contiguous())
-        result[fqn] = gathered[: spec.numel].view(spec.shape).clone()
-    return result
+    return {fqn: gather_full(spec, state.shard(fqn)) for fqn, spec in state.specs.items()}
+
+
+@torch.no_grad()
+def gather_full(spec: ShardSpec, local: Tensor) -> Tensor:
+    """The full logical tensor from every rank's flat padded `local` piece of it
+    (a shard or its gradient; collective)."""
+    if spec.mode == "ddp":
+        return local.detach().clone()
+    gathered = local.new_empty(spec.shard_numel * spec.world_size)
+    dist.all_gather_single(gathered, local.detach().contiguous())
+    return gathered[: spec.numel].view(spec.shape).clone()
