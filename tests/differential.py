@@ -34,8 +34,10 @@ import torch.distributed as dist
 from models import MODELS
 
 import zppc
+from zppc.distribute import gather_full
 
 WAYS = ("reference", "zppc", "eager", "inductor")
+STEPS = 5
 
 
 def make_optimizer(name: str, params):
@@ -60,16 +62,6 @@ def _global_micro_batch(x, world, micro_steps, a):
     return torch.cat([x.chunk(world)[r].chunk(micro_steps)[a] for r in range(world)])
 
 
-def _gather_flat(state, fqn: str, tensor: torch.Tensor) -> torch.Tensor:
-    """The full logical tensor from every rank's flat padded shard of it."""
-    spec = state.specs[fqn]
-    if spec.mode == "ddp":
-        return tensor.detach().clone()
-    gathered = tensor.new_empty(spec.shard_numel * spec.world_size)
-    dist.all_gather_single(gathered, tensor.detach().contiguous())
-    return gathered[: spec.numel].view(spec.shape).clone()
-
-
 def full_gradients(model) -> dict[str, torch.Tensor]:
     """Every logical parameter's gradient as a full tensor (collective)."""
     state = model._zppc_state
@@ -77,7 +69,7 @@ def full_gradients(model) -> dict[str, torch.Tensor]:
     for fqn in state.specs:
         grad = state.shard(fqn).grad
         if grad is not None:
-            grads[fqn] = _gather_flat(state, fqn, grad)
+            grads[fqn] = gather_full(state.specs[fqn], grad)
     return grads
 
 
@@ -182,7 +174,7 @@ def train_four_ways(
     model_name,
     config_kwargs,
     optimizer,
-    steps=5,
+    steps=STEPS,
     micro_steps=1,
     ways=WAYS,
 ):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from differential import FLOAT_NOISE, Tolerance, compare, run_cases, snr_db
+from differential import FLOAT_NOISE, STEPS, Tolerance, compare, run_cases, snr_db
 from models import MODELS
 from spawn import run_ranks
 
@@ -35,7 +35,7 @@ def check_quantized(got: dict, want: dict, what: str) -> None:
     assert snr >= QWZ_MIN_GRAD_SNR_DB, f"{what}: first gradient SNR {snr:.1f} dB"
 
 
-def check_case(name: str, per_rank: list[dict], world: int, config: dict) -> None:
+def check_case(name: str, per_rank: list[dict], micro_steps: int, config: dict) -> None:
     model_name = name.split("/")[1]
     local = getattr(MODELS[model_name], "local_statistics", False)
     quantized = config.get("qwz") is not None
@@ -53,6 +53,12 @@ def check_case(name: str, per_rank: list[dict], world: int, config: dict) -> Non
         # The two lowerings run the same passes: same numerics.
         tol = QUANTIZED_LOWERINGS if quantized else FLOAT_NOISE
         compare(result["inductor"], result["eager"], tol, f"{where} inductor vs eager")
+    counted = {"bn.num_batches_tracked", "calls"} & per_rank[0]["zppc"]["buffers"].keys()
+    for rank, result in enumerate(per_rank):
+        for way in ("zppc", "eager", "inductor"):
+            for buffer in counted:  # one count per forward: steps x micro-steps
+                count = result[way]["buffers"][buffer].item()
+                assert count == STEPS * micro_steps, f"{name} rank {rank} {way}: {buffer}={count}"
     first = per_rank[0]
     for rank, result in enumerate(per_rank[1:], 1):
         for way in ("zppc", "eager", "inductor"):
@@ -73,8 +79,8 @@ def cases_for(strategies, models, optimizers, micro_steps=(1,)):
 
 def run_matrix(world: int, cases: list, timeout: float) -> None:
     per_rank = run_ranks(run_cases, world, cases, timeout=timeout)
-    for name, _model, config, _opt, _micro in cases:
-        check_case(name, [r[name] for r in per_rank], world, config)
+    for name, _model, config, _opt, micro_steps in cases:
+        check_case(name, [r[name] for r in per_rank], micro_steps, config)
 
 
 STRATEGIES = {
@@ -86,6 +92,11 @@ STRATEGIES = {
 }
 
 ALL_MODELS = ("mlp", "padded", "even", "gpt", "frozen", "batchnorm")
+# BatchNorm makes the loss invariant to the scale of each row of the weight
+# before it; Adam's per-coordinate normalization turns the rounding noise in
+# those directions into visible steps (4.7e-4 in the last gradient after five
+# accumulated steps, against 1e-7 with SGD). It trains with SGD only.
+ADAM_MODELS = tuple(m for m in ALL_MODELS if m != "batchnorm")
 
 
 # The report that opened this matrix: the padded MLP, SGD with momentum, Nesterov
@@ -106,8 +117,16 @@ def test_padded_mlp_with_momentum_under_both_lowerings(world):
 @pytest.mark.timeout(1500)
 def test_models_under_both_lowerings():
     strategies = [(s, STRATEGIES[s]) for s in ("ddp", "zero3")]
-    models = ("batchnorm", "gpt", "frozen", "even")
-    run_matrix(2, cases_for(strategies, models, ["adamw"]), timeout=1440)
+    cases = cases_for(strategies, ["batchnorm"], ["sgd"])
+    cases += cases_for(strategies, ("gpt", "frozen", "even"), ["adamw"])
+    run_matrix(2, cases, timeout=1440)
+
+
+# (world, models, optimizers, micro-steps): 55 cases on 2 ranks, 15 on 4.
+SLOW_MATRIX = {
+    "2 ranks": (2, ((ALL_MODELS, "sgd"), (ADAM_MODELS, "adamw")), 2),
+    "4 ranks": (4, ((("gpt", "batchnorm", "mlp"), "sgd"),), 1),
+}
 
 
 @pytest.mark.slow
@@ -115,16 +134,11 @@ def test_models_under_both_lowerings():
 @pytest.mark.inductor
 @pytest.mark.timeout(2400)
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
-def test_full_matrix_two_ranks(strategy):
-    cases = cases_for([(strategy, STRATEGIES[strategy])], ALL_MODELS, ["sgd", "adamw"], (2,))
-    run_matrix(2, cases, timeout=2340)
-
-
-@pytest.mark.slow
-@pytest.mark.multiproc
-@pytest.mark.inductor
-@pytest.mark.timeout(2400)
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
-def test_matrix_four_ranks(strategy):
-    cases = cases_for([(strategy, STRATEGIES[strategy])], ("gpt", "batchnorm", "mlp"), ["sgd"])
-    run_matrix(4, cases, timeout=2340)
+@pytest.mark.parametrize("size", list(SLOW_MATRIX))
+def test_full_matrix(size, strategy):
+    world, runs, micro_steps = SLOW_MATRIX[size]
+    cases = []
+    for models, optimizer in runs:
+        strategies = [(strategy, STRATEGIES[strategy])]
+        cases += cases_for(strategies, models, [optimizer], (micro_steps,))
+    run_matrix(world, cases, timeout=2340)
