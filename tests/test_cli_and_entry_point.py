@@ -77,3 +77,29 @@ def test_schedule_qwz_moves_fewer_bytes(capsys):
 def test_schedule_rejects_bad_sizes():
     with pytest.raises(SystemExit, match="node-size"):
         main(["schedule", "gpt-tiny", "--world-size", "4", "--node-size", "8"])
+
+
+def test_schedule_hpz_keeps_backward_gathers_inside_the_node(capsys):
+    args = ["schedule", "gpt-tiny", "--world-size", "16", "--node-size", "4", "--format", "json"]
+    assert main(args + ["--hpz"]) == 0
+    rows = json.loads(capsys.readouterr().out)["collectives"]
+    backward_gathers = [r for r in rows if r["graph"] == "backward" and r["kind"] == "all_gather"]
+    assert backward_gathers, rows
+    for r in backward_gathers:
+        assert r["group_size"] == 4 and r["inter_node_bytes"] == 0 and r["intra_node_bytes"] > 0
+    forward_gathers = [r for r in rows if r["graph"] == "forward" and r["kind"] == "all_gather"]
+    assert all(r["group_size"] == 16 and r["inter_node_bytes"] > 0 for r in forward_gathers)
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--hpz", "--node-size", "3"], "16 % 3"),
+        (["--qgz", "int4"], "not implemented"),
+        (["--strategy", "rtp"], "not implemented"),
+        (["--osp", "1.5"], "osp"),
+    ],
+)
+def test_schedule_refuses_what_it_cannot_plan(flags, words):
+    with pytest.raises(SystemExit, match=words):
+        main(["schedule", "gpt-tiny", "--world-size", "16", *flags])

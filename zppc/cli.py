@@ -32,14 +32,24 @@ def _schedule(args: argparse.Namespace) -> int:
         raise SystemExit(
             f"zppc schedule: --rank must be in [0, {args.world_size}), got {args.rank}"
         )
-    config = zppc.Config(
-        strategy=args.strategy,
-        qwz=args.qwz,
-        node_size=args.node_size,
-        bucket_bytes=int(args.bucket_mb * 2**20),
-        lowering="eager",
-        param_dtype=getattr(torch, args.param_dtype) if args.param_dtype else None,
-    )
+    try:
+        config = zppc.Config(
+            strategy=args.strategy,
+            qwz=args.qwz,
+            hpz=args.hpz,
+            qgz=args.qgz,
+            osp=args.osp,
+            node_size=args.node_size,
+            bucket_bytes=int(args.bucket_mb * 2**20),
+            lowering="eager",
+            param_dtype=getattr(torch, args.param_dtype) if args.param_dtype else None,
+        )
+        if args.hpz and args.world_size % args.node_size:
+            raise ValueError(
+                f"hpz needs world_size % node_size == 0, got {args.world_size} % {args.node_size}"
+            )
+    except (ValueError, NotImplementedError) as exc:
+        raise SystemExit(f"zppc schedule: {exc}") from None
     dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=args.world_size)
     try:
         cfg = PRESETS[args.model]
@@ -93,7 +103,7 @@ def _schedule(args: argparse.Namespace) -> int:
     else:
         print(
             f"{args.model} ({cfg.num_parameters / 1e6:,.1f}M parameters), {args.strategy}"
-            f"{' + qwz ' + args.qwz if args.qwz else ''}, world {args.world_size}, node {args.node_size}, "
+            f"{' + qwz ' + args.qwz if args.qwz else ''}{' + hpz' if args.hpz else ''}, world {args.world_size}, node {args.node_size}, "
             f"rank {args.rank}; links {args.intra_gbps:g} Gbit/s intra, {args.inter_gbps:g} Gbit/s inter"
         )
         print(
@@ -113,6 +123,7 @@ def _schedule(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from zppc.config import STRATEGIES
     from zppc.models import PRESETS
 
     parser = argparse.ArgumentParser(
@@ -125,8 +136,13 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--world-size", type=int, required=True)
     s.add_argument("--node-size", type=int, default=8)
     s.add_argument("--rank", type=int, default=0, help="whose view of the schedule")
-    s.add_argument("--strategy", default="zero3", choices=["ddp", "zero1", "zero2", "zero3"])
-    s.add_argument("--qwz", choices=["int8", "int4"], default=None)
+    s.add_argument("--strategy", default="zero3", choices=list(STRATEGIES))
+    s.add_argument("--qwz", choices=["int8", "int4"], default=None, help="quantized weight gathers")
+    s.add_argument(
+        "--hpz", action="store_true", help="backward gathers inside the node (secondary shard)"
+    )
+    s.add_argument("--qgz", choices=["int4", "int8"], default=None, help="quantized gradients")
+    s.add_argument("--osp", type=float, default=None, help="fraction of gradients in stage 2")
     s.add_argument("--param-dtype", choices=["float32", "bfloat16", "float16"], default=None)
     s.add_argument("--bucket-mb", type=float, default=25.0)
     s.add_argument("--seq", type=int, default=8, help="tokens traced (bytes do not depend on it)")
