@@ -75,7 +75,7 @@ def main() -> None:
     if rank == 0:
         print(
             f"zppc {args.strategy}{' + qwz ' + qwz if qwz else ''}{' + hpz' if hpz else ''} on {world} ranks ({args.lowering}): GPT {args.preset} "
-            f"{n_params / 1e6:.2f}M parameters, corpus {data.numel() / 2**20:.1f} MB of stdlib source"
+            f"{n_params / 1e6:.2f}M parameters, corpus {data.numel() / 2**20:.1f} MiB of stdlib source"
         )
     bar = tqdm(range(args.steps), disable=rank != 0, unit="step", dynamic_ncols=True)
     tokens_per_step = args.batch_size * block * world
@@ -97,7 +97,7 @@ def main() -> None:
         stats = zppc.comm_stats()
         rate = tokens_per_step * timed_steps / (time.perf_counter() - t0) if timed_steps else 0.0
         bar.set_postfix(
-            loss=f"{value:.3f}", tok_s=f"{rate:,.0f}", comm_MB=f"{stats.total_bytes / 2**20:,.1f}"
+            loss=f"{value:.3f}", tok_s=f"{rate:,.0f}", comm_MiB=f"{stats.total_bytes / 2**20:,.1f}"
         )
 
     stats = zppc.comm_stats()
@@ -111,12 +111,12 @@ def main() -> None:
             f"loss {first_loss:.3f} -> {value:.3f}, validation loss {val_loss.item() / world:.3f}"
         )
         print(
-            f"rank 0 received {stats.total_bytes / 2**20:,.1f} MB over {args.steps} steps "
-            f"({per_step / 2**20:.2f} MB/step; intra-node {stats.intra_node_bytes / 2**20:,.1f} MB, "
-            f"inter-node {stats.inter_node_bytes / 2**20:,.1f} MB)"
+            f"rank 0 received {stats.total_bytes / 2**20:,.1f} MiB over {args.steps} steps "
+            f"({per_step / 2**20:.2f} MiB/step; intra-node {stats.intra_node_bytes / 2**20:,.1f} MiB, "
+            f"inter-node {stats.inter_node_bytes / 2**20:,.1f} MiB)"
         )
         for kind, nbytes in sorted(stats.by_kind.items()):
-            print(f"  {kind:15s} {nbytes / 2**20:10,.1f} MB in {stats.calls[kind]} calls")
+            print(f"  {kind:15s} {nbytes / 2**20:10,.1f} MiB in {stats.calls[kind]} calls")
         # What the same training steps would have moved without quantization,
         # from the compiled schedule of the training graph (the measured bytes
         # above come from the ledger).
@@ -130,12 +130,12 @@ def main() -> None:
         )
         if would > moved:
             print(
-                f"qwZ {qwz} saved {(would - moved) * args.steps / 2**20:,.1f} MB on rank 0 over {args.steps} steps: "
-                f"{moved / 2**20:.2f} MB/step instead of {would / 2**20:.2f} MB/step ({1 - moved / would:.0%} less)"
+                f"qwZ {qwz} saved {(would - moved) * args.steps / 2**20:,.1f} MiB on rank 0 over {args.steps} steps: "
+                f"{moved / 2**20:.2f} MiB/step instead of {would / 2**20:.2f} MiB/step ({1 - moved / would:.0%} less)"
             )
         full_ddp = 2 * (world - 1) / world * n_params * 4 * args.steps
         print(
-            f"for reference, an fp32 all-reduce of every gradient (DDP) receives {full_ddp / 2**20:,.1f} MB"
+            f"for reference, an fp32 all-reduce of every gradient (DDP) receives {full_ddp / 2**20:,.1f} MiB"
         )
     dist.destroy_process_group()
 

@@ -115,8 +115,8 @@ def _schedule(args: argparse.Namespace) -> int:
                 f"{r['intra_node_bytes']:14,d} {r['inter_node_bytes']:14,d} {r['predicted_seconds'] * 1e3:9.3f}"
             )
         print(
-            f"total: {totals['collectives']} collectives, {totals['intra_node_bytes'] / 2**20:,.1f} MB intra-node, "
-            f"{totals['inter_node_bytes'] / 2**20:,.1f} MB inter-node received by this rank, "
+            f"total: {totals['collectives']} collectives, {totals['intra_node_bytes'] / 1e6:,.3f} MB intra-node, "
+            f"{totals['inter_node_bytes'] / 1e6:,.3f} MB inter-node received by this rank (MB = 10^6 bytes), "
             f"{totals['predicted_seconds'] * 1e3:,.1f} ms predicted"
         )
     return 0
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--qgz", choices=["int4", "int8"], default=None, help="quantized gradients")
     s.add_argument("--osp", type=float, default=None, help="fraction of gradients in stage 2")
     s.add_argument("--param-dtype", choices=["float32", "bfloat16", "float16"], default=None)
-    s.add_argument("--bucket-mb", type=float, default=25.0)
+    s.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap in MiB")
     s.add_argument("--seq", type=int, default=8, help="tokens traced (bytes do not depend on it)")
     s.add_argument("--intra-gbps", type=float, default=2400.0, help="intra-node link, Gbit/s")
     s.add_argument("--inter-gbps", type=float, default=100.0, help="inter-node link, Gbit/s")
