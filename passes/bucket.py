@@ -4,9 +4,12 @@ Requires: `zero` (and `qwz` when enabled): collectives in the form
 `c = collective(input) ; w = wait(c) ; record_comm(w, kind, group)`.
 
 Rewrite: consecutive collectives of one kind, group and dtype are grouped, in
-graph order, into buckets of at most `Config.bucket_bytes` input bytes (a
-collective larger than that is a bucket of its own). Each bucket becomes one
-collective over the concatenated inputs:
+graph order, into buckets of at most `Config.bucket_bytes` (a collective larger
+than that is a bucket of its own). What counts is the full tensor a bucket
+materializes: an all-gather's gathered size in the parameter dtype (shard bytes
+x group size, unquantized), a reduction's input. So a gathered bucket never
+outgrows the cap as the world grows. Each bucket becomes one collective over
+the concatenated inputs:
 
 - parameter all-gathers (forward, and the backward re-gather): issued where the
   bucket's first member was (the inputs, which depend only on the shards, are
@@ -57,6 +60,14 @@ class CollectiveMatch:
         return val.numel() * val.element_size()
 
     @property
+    def full_bytes(self) -> int:
+        """Bytes of the full tensor this collective materializes (see module doc)."""
+        if self.kind != "all_gather":
+            return self.input_bytes
+        per_rank = self.wait.meta.get(UNQUANTIZED_BYTES, self.input_bytes)
+        return per_rank * group_size(self.group_name)
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.input.meta["val"].dtype
 
@@ -79,7 +90,7 @@ def plan_buckets(matches: list[CollectiveMatch], bucket_bytes: int) -> list[list
     for m in matches:
         key = (m.kind, m.group_name, m.dtype)
         current = open_by_key.get(key)
-        if current is None or sum(x.input_bytes for x in current) + m.input_bytes > bucket_bytes:
+        if current is None or sum(x.full_bytes for x in current) + m.full_bytes > bucket_bytes:
             current = []
             buckets.append(current)
             open_by_key[key] = current

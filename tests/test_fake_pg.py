@@ -71,8 +71,10 @@ def test_padding_for_sizes_smaller_than_the_world(fake_world):
 
 @pytest.mark.parametrize("fake_world", [(384, 0)], indirect=True)
 def test_buckets_respect_the_size_limit(fake_world):
+    """The cap holds for the gathered bucket: at 384 ranks a bucket of shards
+    that fits per rank would gather 384 times the cap."""
     world, _ = fake_world
-    limit = 64 * 4  # bytes of input per rank: a few of the tiny GPT's shards
+    limit = 64 * 4 * world  # gathered bytes: a few of the tiny GPT's padded weights
     model, inspection = compile_one_step(
         zppc.Config(node_size=16, lowering="eager", bucket_bytes=limit)
     )
@@ -82,7 +84,8 @@ def test_buckets_respect_the_size_limit(fake_world):
     assert sum(c.bytes_per_peer for c in forward) == sum(shard_bytes)
     assert len(forward) < len(shard_bytes)
     for c in forward:
-        assert c.bytes_per_peer <= max(limit, max(shard_bytes))
+        gathered = c.bytes_per_peer * c.group_size
+        assert gathered <= max(limit, max(shard_bytes) * world)
 
 
 @pytest.mark.parametrize("fake_world", [(384, 40)], indirect=True)

@@ -120,11 +120,13 @@ def test_bucket_plan_is_greedy_in_graph_order(fake_pg):
     gm = zero_pass(gm, None)
     matches = find_collectives(gm.graph)
     assert [m.input_bytes for m in matches] == [8, 8, 4, 12]
-    plan = plan_buckets(matches, bucket_bytes=16)
-    assert [[m.input_bytes for m in b] for b in plan] == [[8, 8], [4, 12]]
+    # Capped by what a bucket gathers (shard bytes x WORLD), not by the shards.
+    assert [m.full_bytes for m in matches] == [32, 32, 16, 48]
+    plan = plan_buckets(matches, bucket_bytes=64)
+    assert [[m.full_bytes for m in b] for b in plan] == [[32, 32], [16, 48]]
     # A bucket closes when the next member would overflow; singletons are left alone.
-    plan = plan_buckets(matches, bucket_bytes=20)
-    assert [[m.input_bytes for m in b] for b in plan] == [[8, 8, 4]]
+    plan = plan_buckets(matches, bucket_bytes=80)
+    assert [[m.full_bytes for m in b] for b in plan] == [[32, 32, 16]]
 
 
 def test_pass_list_and_disable():

@@ -68,7 +68,9 @@ class Config:
     whole world when it is unset (one node)."""
 
     bucket_bytes: int = 25 * 2**20
-    """Collectives smaller than this are coalesced into flat buckets."""
+    """Consecutive collectives are coalesced into buckets whose full tensor (the
+    gathered weights in the parameter dtype, or the gradients reduced) stays
+    within this many bytes, whatever the world size."""
 
     lowering: str = "inductor"
     """"inductor" generates code with Inductor; "eager" runs the same passes and
