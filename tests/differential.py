@@ -220,6 +220,7 @@ class Tolerance:
     param: float | None = 5e-5
     grad: float | None = 5e-5
     first_grad: float = 5e-5
+    buffer: float = 5e-5
 
 
 FLOAT_NOISE = Tolerance()
@@ -260,6 +261,6 @@ def compare(got: dict, want: dict, tol: Tolerance, what: str, buffers_too: bool 
     if buffers_too:
         assert got["buffers"].keys() == want["buffers"].keys()
         for name, b in want["buffers"].items():
-            assert torch.allclose(got["buffers"][name].float(), b.float(), atol=tol.param), (
+            assert torch.allclose(got["buffers"][name].float(), b.float(), atol=tol.buffer), (
                 f"{what}: buffer {name}: {got['buffers'][name]} vs {b}"
             )
