@@ -1,7 +1,8 @@
 """The `bucket` pass: coalesce small collectives into flat buckets.
 
 Requires: `zero` (and `qwz` when enabled): collectives in the form
-`c = collective(input) ; w = wait(c) ; record_comm(w, kind, group)`.
+`record_comm(input, kind, group) ; c = collective(input) ; w = wait(c)`
+(`zero.CollectiveMatch`).
 
 Rewrite: consecutive collectives of one kind, group and dtype are grouped, in
 graph order, into buckets of at most `Config.bucket_bytes` (a collective larger
@@ -27,60 +28,39 @@ unchanged; each element is reduced with the same peers in the same dtype.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
 
 import torch
 from torch import fx
 from zppc.passes.graph_utils import GraphBuilder
-from zppc.passes.zero import PARAM_GATHER, UNQUANTIZED_BYTES, collective, flatten_padded
+from zppc.passes.zero import (
+    PARAM_GATHER,
+    UNQUANTIZED_BYTES,
+    CollectiveMatch,
+    collective,
+    flatten_padded,
+)
+from zppc.passes.zero import find_collectives as find_lowered
 from zppc.runtime.topology import group_size
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
-RECORD = torch.ops.zppc.record_comm.default
+BUCKETED = ("all_gather", "reduce_scatter", "all_reduce")
 
 
-@dataclass(frozen=True)
-class CollectiveMatch:
-    """One lowered collective: issue, wait and ledger hook."""
-
-    issue: fx.Node
-    wait: fx.Node
-    record: fx.Node
-    kind: str
-    group_name: str
-
-    @property
-    def input(self) -> fx.Node:
-        return self.issue.args[0]
-
-    @property
-    def input_bytes(self) -> int:
-        val = self.input.meta["val"]
-        return val.numel() * val.element_size()
-
-    @property
-    def full_bytes(self) -> int:
-        """Bytes of the full tensor this collective materializes (see module doc)."""
-        if self.kind != "all_gather":
-            return self.input_bytes
-        per_rank = self.wait.meta.get(UNQUANTIZED_BYTES, self.input_bytes)
-        return per_rank * group_size(self.group_name)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.input.meta["val"].dtype
+def full_bytes(m: CollectiveMatch) -> int:
+    """Bytes of the full tensor a collective materializes (see module doc)."""
+    if m.kind != "all_gather":
+        return m.input_bytes
+    return m.wait.meta.get(UNQUANTIZED_BYTES, m.input_bytes) * group_size(m.group_name)
 
 
 def find_collectives(graph: fx.Graph) -> list[CollectiveMatch]:
-    matches = []
-    for record in graph.find_nodes(op="call_function", target=RECORD):
-        wait, kind, group_name = record.args
-        if kind == "all_gather" and not wait.meta.get(PARAM_GATHER):
-            continue
-        if kind in ("all_gather", "reduce_scatter", "all_reduce"):
-            matches.append(CollectiveMatch(wait.args[0], wait, record, kind, group_name))
-    return matches
+    """The collectives this pass may bucket: parameter gathers and reductions."""
+    return [
+        m
+        for m in find_lowered(graph)
+        if m.kind in BUCKETED and (m.kind != "all_gather" or m.wait.meta.get(PARAM_GATHER))
+    ]
 
 
 def plan_buckets(matches: list[CollectiveMatch], bucket_bytes: int) -> list[list[CollectiveMatch]]:
@@ -90,7 +70,7 @@ def plan_buckets(matches: list[CollectiveMatch], bucket_bytes: int) -> list[list
     for m in matches:
         key = (m.kind, m.group_name, m.dtype)
         current = open_by_key.get(key)
-        if current is None or sum(x.full_bytes for x in current) + m.full_bytes > bucket_bytes:
+        if current is None or sum(map(full_bytes, current)) + full_bytes(m) > bucket_bytes:
             current = []
             buckets.append(current)
             open_by_key[key] = current
@@ -139,13 +119,6 @@ def _sink_users(node: fx.Node) -> None:
         cursor = user
 
 
-def _replace_member(m: CollectiveMatch, result: fx.Node) -> None:
-    m.wait.replace_all_uses_with(result, delete_user_cb=lambda user: user is not m.record)
-    graph = m.issue.graph
-    for node in (m.record, m.wait, m.issue):
-        graph.erase_node(node)
-
-
 def _gather_bucket(gm: fx.GraphModule, bucket: list[CollectiveMatch]) -> None:
     first = bucket[0]
     pos = _positions(gm.graph)
@@ -181,7 +154,7 @@ def _gather_bucket(gm: fx.GraphModule, bucket: list[CollectiveMatch]) -> None:
         results.append(b.call(aten.view.default, contiguous, [-1]))
     # Replace only once every new node exists: replacing erases the anchor.
     for m, result in zip(bucket, results, strict=True):
-        _replace_member(m, result)
+        m.replace_with(result)
 
 
 def _reduce_bucket(gm: fx.GraphModule, bucket: list[CollectiveMatch]) -> None:
@@ -217,5 +190,5 @@ def _reduce_bucket(gm: fx.GraphModule, bucket: list[CollectiveMatch]) -> None:
         result = b.call(
             aten.view.default, b.call(operator.getitem, pieces, i), list(m.wait.meta["val"].shape)
         )
-        _replace_member(m, result)
+        m.replace_with(result)
         _sink_users(result)

@@ -18,44 +18,35 @@ payload, so both see the same weights.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 
 import torch
 from torch import fx
 from zppc.kernels import quant
 from zppc.passes.graph_utils import GraphBuilder
-from zppc.passes.zero import NODE_LOCAL, PARAM_GATHER, UNQUANTIZED_BYTES, all_gather
+from zppc.passes.zero import (
+    NODE_LOCAL,
+    PARAM_GATHER,
+    UNQUANTIZED_BYTES,
+    CollectiveMatch,
+    all_gather,
+    find_collectives,
+)
 from zppc.runtime.topology import group_size
 
 c10d = torch.ops._c10d_functional
 BITS = {"int8": 8, "int4": 4}
 
 
-@dataclass(frozen=True)
-class GatherMatch:
-    """A parameter all-gather as the `zero` pass emitted it."""
-
-    gather: fx.Node
-    wait: fx.Node
-    record: fx.Node
-    local: fx.Node
-    group_name: str
-
-    @property
-    def shard_numel(self) -> int:
-        return self.local.meta["val"].numel()
-
-
-def find_param_gathers(graph: fx.Graph) -> list[GatherMatch]:
-    matches = []
-    for wait in graph.find_nodes(op="call_function", target=c10d.wait_tensor.default):
-        if not wait.meta.get(PARAM_GATHER) or wait.meta.get(NODE_LOCAL):
-            continue
-        gather = wait.args[0]
-        (record,) = [u for u in wait.users if u.target == torch.ops.zppc.record_comm.default]
-        matches.append(GatherMatch(gather, wait, record, gather.args[0], gather.args[2]))
-    return matches
+def find_param_gathers(graph: fx.Graph) -> list[CollectiveMatch]:
+    """Parameter all-gathers across nodes (hpZ's node-local gathers stay exact)."""
+    return [
+        m
+        for m in find_collectives(graph)
+        if m.kind == "all_gather"
+        and m.wait.meta.get(PARAM_GATHER)
+        and not m.wait.meta.get(NODE_LOCAL)
+    ]
 
 
 def qwz_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
@@ -63,26 +54,25 @@ def qwz_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     block = ctx.config.qwz_block_size
     zppc_ops = torch.ops.zppc
     for m in find_param_gathers(gm.graph):
-        b = GraphBuilder(gm, m.gather)
+        b = GraphBuilder(gm, m.issue)
         world = group_size(m.group_name)
-        dtype = m.local.meta["val"].dtype
+        numel = m.input.meta["val"].numel()
+        dtype = m.input.meta["val"].dtype
         # GPU: the Triton kernels, as custom ops. Elsewhere: the torch reference's
         # aten ops, inlined so that Inductor fuses them.
-        if m.local.meta["val"].device.type == "cuda":
-            payload = b.call(zppc_ops.quantize_pack.default, m.local, block, bits)
+        if m.input.meta["val"].device.type == "cuda":
+            payload = b.call(zppc_ops.quantize_pack.default, m.input, block, bits)
         else:
             payload = b.inline(
-                partial(quant.quantize_pack_reference, block=block, bits=bits), m.local
+                partial(quant.quantize_pack_reference, block=block, bits=bits), m.input
             )
         gathered = all_gather(b, payload, m.group_name)
         gathered.meta[PARAM_GATHER] = True
-        gathered.meta[UNQUANTIZED_BYTES] = m.shard_numel * dtype.itemsize
-        unpack = dict(world=world, numel=m.shard_numel, block=block, bits=bits, dtype=dtype)
-        if m.local.meta["val"].device.type == "cuda":
+        gathered.meta[UNQUANTIZED_BYTES] = numel * dtype.itemsize
+        unpack = dict(world=world, numel=numel, block=block, bits=bits, dtype=dtype)
+        if m.input.meta["val"].device.type == "cuda":
             values = b.call(zppc_ops.unpack_dequantize.default, gathered, *unpack.values())
         else:
             values = b.inline(partial(quant.unpack_dequantize_reference, **unpack), gathered)
-        m.wait.replace_all_uses_with(values, delete_user_cb=lambda user, r=m.record: user is not r)
-        for node in (m.record, m.wait, m.gather):
-            gm.graph.erase_node(node)
+        m.replace_with(values)
     return gm

@@ -4,8 +4,9 @@ Requires: aot forward or backward graph holding `zppc::unshard` /
 `zppc::reduce_grad` nodes (partitioned by `zppc_partition`, so that under zero3
 the backward graph re-gathers instead of loading saved full weights).
 
-Guarantees: no IR op is left; each becomes functional collectives followed by
-their wait and a `zppc::record_comm` ledger hook:
+Guarantees: no IR op is left; each becomes functional collectives, each
+preceded by a `zppc::record_comm` ledger hook on its input and followed by its
+wait (`CollectiveMatch` finds the three again for later passes):
 
 - unshard, zero*: cast to param_dtype, all-gather of the flat shard, drop the
   padding, view as the parameter's shape. ddp: the parameter itself.
@@ -24,6 +25,7 @@ Must run first among the lowering passes (qwz, bucket, ... rewrite its output).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import fx
@@ -63,10 +65,67 @@ def cast(b: GraphBuilder, node: fx.Node, dtype: torch.dtype | None) -> fx.Node:
 
 
 def collective(b: GraphBuilder, kind: str, group_name: str, op, *args) -> fx.Node:
-    """Issue a functional collective, wait for it, and report it to the ledger."""
-    out = b.call(c10d.wait_tensor.default, b.call(op, *args))
-    b.call(zppc_ops.record_comm.default, out, kind, group_name)
-    return out
+    """Report a functional collective to the ledger from its input, issue it,
+    and wait for it; returns the wait. The ledger never reads the result, so
+    counting keeps no buffer alive and constrains no schedule."""
+    b.call(zppc_ops.record_comm.default, args[0], kind, group_name)
+    return b.call(c10d.wait_tensor.default, b.call(op, *args))
+
+
+RECORD = zppc_ops.record_comm.default
+COLLECTIVE_KINDS = {
+    c10d.all_gather_into_tensor.default: "all_gather",
+    c10d.reduce_scatter_tensor.default: "reduce_scatter",
+    c10d.all_reduce.default: "all_reduce",
+    c10d.all_to_all_single.default: "all_to_all",
+}
+
+
+@dataclass(frozen=True)
+class CollectiveMatch:
+    """One collective as `collective` emits it: ledger hook, issue and wait."""
+
+    record: fx.Node
+    issue: fx.Node
+    wait: fx.Node
+    kind: str
+    group_name: str
+
+    @property
+    def input(self) -> fx.Node:
+        return self.issue.args[0]
+
+    @property
+    def input_bytes(self) -> int:
+        val = self.input.meta["val"]
+        return val.numel() * val.element_size()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.input.meta["val"].dtype
+
+    def replace_with(self, result: fx.Node) -> None:
+        """Route every user of the collective's result to `result`; erase the three."""
+        self.wait.replace_all_uses_with(result)
+        for node in (self.wait, self.issue, self.record):
+            node.graph.erase_node(node)
+
+
+def find_collectives(graph: fx.Graph) -> list[CollectiveMatch]:
+    """Every lowered collective, in program order of its ledger hook."""
+    matches = []
+    for record in graph.find_nodes(op="call_function", target=RECORD):
+        inp, kind, group_name = record.args
+        issues = [
+            u
+            for u in inp.users
+            if COLLECTIVE_KINDS.get(u.target) == kind and u.args[-1] == group_name
+        ]
+        if len(issues) != 1:
+            raise AssertionError(f"ledger hook {record.name} matches {len(issues)} collectives")
+        (wait,) = issues[0].users
+        matches.append(CollectiveMatch(record, issues[0], wait, kind, group_name))
+    return matches
 
 
 def all_gather(b: GraphBuilder, flat: fx.Node, group_name: str) -> fx.Node:

@@ -3,7 +3,9 @@
 The eager helpers back the eager implementation of the IR ops (`zppc::unshard`,
 `zppc::reduce_grad`), which is the reference every compiled graph is compared
 against. Compiled graphs use functional collectives instead and call
-`zppc::record_comm` on each result, so the ledger counts what really ran.
+`zppc::record_comm` on each collective's input as it is issued, so the ledger
+counts what really ran without ever touching a result (a hook on the result
+would keep gathered weights alive and pin the scheduler).
 """
 
 from __future__ import annotations
@@ -17,26 +19,27 @@ from zppc.runtime.topology import group_size
 _GROUP_FROM_NAME = dist.distributed_c10d._resolve_process_group
 
 
-def bytes_per_peer(kind: str, out: Tensor, world: int) -> int:
-    """Bytes each peer sent me, given the collective's output on this rank."""
-    nbytes = out.numel() * out.element_size()
-    if kind in ("all_gather", "all_to_all"):
-        return nbytes // world
-    if kind == "reduce_scatter":
+def bytes_per_peer(kind: str, inp: Tensor, world: int) -> int:
+    """Bytes each peer sends me, given the collective's input on this rank."""
+    nbytes = inp.numel() * inp.element_size()
+    if kind == "all_gather":
         return nbytes
+    if kind in ("reduce_scatter", "all_to_all"):
+        return nbytes // world
     if kind == "all_reduce":
         return 2 * nbytes // world
     raise ValueError(f"unknown collective kind {kind!r}")
 
 
 @torch.library.custom_op("zppc::record_comm", mutates_args=())
-def record_comm(out: Tensor, kind: str, group_name: str) -> None:
-    """Ledger hook placed after each collective's wait in compiled graphs."""
-    record(kind, group_name, bytes_per_peer(kind, out, group_size(group_name)))
+def record_comm(inp: Tensor, kind: str, group_name: str) -> None:
+    """Ledger hook placed where each collective is issued in compiled graphs; it
+    reads only the size of the collective's input."""
+    record(kind, group_name, bytes_per_peer(kind, inp, group_size(group_name)))
 
 
 @record_comm.register_fake
-def _(out: Tensor, kind: str, group_name: str) -> None:
+def _(inp: Tensor, kind: str, group_name: str) -> None:
     return None
 
 
@@ -64,7 +67,7 @@ def all_gather_flat(shard: Tensor, group_name: str) -> Tensor:
     group = _GROUP_FROM_NAME(group_name)
     out = shard.new_empty(shard.numel() * group.size())
     dist.all_gather_single(out, shard.contiguous(), group=group)
-    record("all_gather", group_name, bytes_per_peer("all_gather", out, group.size()))
+    record("all_gather", group_name, bytes_per_peer("all_gather", shard, group.size()))
     return out
 
 
@@ -73,7 +76,7 @@ def reduce_scatter_flat(flat: Tensor, group_name: str) -> Tensor:
     group = _GROUP_FROM_NAME(group_name)
     out = flat.new_empty(flat.numel() // group.size())
     dist.reduce_scatter_single(out, flat.contiguous(), op=dist.ReduceOp.SUM, group=group)
-    record("reduce_scatter", group_name, bytes_per_peer("reduce_scatter", out, group.size()))
+    record("reduce_scatter", group_name, bytes_per_peer("reduce_scatter", flat, group.size()))
     return out
 
 
@@ -81,5 +84,5 @@ def all_reduce_sum(t: Tensor, group_name: str) -> Tensor:
     group = _GROUP_FROM_NAME(group_name)
     out = t.contiguous().clone()
     dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-    record("all_reduce", group_name, bytes_per_peer("all_reduce", out, group.size()))
+    record("all_reduce", group_name, bytes_per_peer("all_reduce", t, group.size()))
     return out

@@ -102,3 +102,23 @@ def test_hpz_keeps_backward_gathers_inside_the_node(fake_world):
     inter = lambda sched: sum(c.inter_node_bytes for c in sched)  # noqa: E731
     # ZeRO++: hpZ removes the backward's share of the cross-node bytes.
     assert inter(inspection.schedule) < inter(plain)
+
+
+@pytest.mark.parametrize("fake_world", [(16, 1)], indirect=True)
+def test_ledger_never_reads_a_collective_result(fake_world):
+    """Counting stays off the data path: a hook on a result would keep every
+    gathered weight alive until the hook runs (Inductor schedules a consumer of
+    nothing last). Each hook reads the collective's input, right before it."""
+    record = torch.ops.zppc.record_comm.default
+    wait = torch.ops._c10d_functional.wait_tensor.default
+    config = zppc.Config(node_size=4, lowering="eager", qwz="int8", hpz=True)
+    _, inspection = compile_one_step(config)
+    for compiled in inspection.compiles:
+        for kind, gm in compiled.final.items():
+            hooks = gm.graph.find_nodes(op="call_function", target=record)
+            assert hooks, f"{kind}: no ledger hook"
+            for node in gm.graph.find_nodes(op="call_function", target=wait):
+                assert record not in {u.target for u in node.users}, f"{kind}: {node.name}"
+            for hook in hooks:
+                issue = hook.next
+                assert issue.args[0] is hook.args[0], f"{kind}: {hook.name} is not at its issue"

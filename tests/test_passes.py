@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from zppc.passes import PassContext, build_passes, run_passes
-from zppc.passes.bucket import find_collectives, plan_buckets
+from zppc.passes.bucket import find_collectives, full_bytes, plan_buckets
 from zppc.passes.dedupe import dedupe_unshard_pass
 from zppc.passes.graph_utils import REDUCE_GRAD, UNSHARD, op_census
 from zppc.passes.partition import zppc_partition
@@ -97,9 +97,10 @@ def test_zero_pass_lowers_to_collectives_with_ledger_hooks(fake_pg):
         assert {r.args[1] for r in records} == expected
         assert {r.args[2] for r in records} == {fake_pg}
         for r in records:
-            out = r.args[0].meta["val"]
-            # A 9-element shard per rank: 36 gathered, or 9 reduced to this rank.
-            assert out.numel() == (WORLD * 9 if r.args[1] == "all_gather" else 9)
+            # Counted at issue from the input (never the result): a 9-element
+            # shard gathered, or the 36-element padded gradient reduce-scattered.
+            assert r.next.args[0] is r.args[0]
+            assert r.args[0].meta["val"].numel() == (9 if r.args[1] == "all_gather" else WORLD * 9)
     gather = graphs["forward"].graph.find_nodes(
         op="call_function", target=c10d.all_gather_into_tensor.default
     )
@@ -121,12 +122,12 @@ def test_bucket_plan_is_greedy_in_graph_order(fake_pg):
     matches = find_collectives(gm.graph)
     assert [m.input_bytes for m in matches] == [8, 8, 4, 12]
     # Capped by what a bucket gathers (shard bytes x WORLD), not by the shards.
-    assert [m.full_bytes for m in matches] == [32, 32, 16, 48]
+    assert [full_bytes(m) for m in matches] == [32, 32, 16, 48]
     plan = plan_buckets(matches, bucket_bytes=64)
-    assert [[m.full_bytes for m in b] for b in plan] == [[32, 32], [16, 48]]
+    assert [[full_bytes(m) for m in b] for b in plan] == [[32, 32], [16, 48]]
     # A bucket closes when the next member would overflow; singletons are left alone.
     plan = plan_buckets(matches, bucket_bytes=80)
-    assert [[m.full_bytes for m in b] for b in plan] == [[32, 32, 16]]
+    assert [[full_bytes(m) for m in b] for b in plan] == [[32, 32, 16]]
 
 
 def test_pass_list_and_disable():

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
-from zppc.passes.zero import UNQUANTIZED_BYTES
+from zppc.passes.zero import UNQUANTIZED_BYTES, find_collectives
 from zppc.runtime.collectives import bytes_per_peer
 from zppc.runtime.ledger import peer_split
 from zppc.runtime.topology import current_topology, group_ranks
@@ -52,14 +52,12 @@ class CompileRecord:
 
 def graph_schedule(gm: fx.GraphModule, graph: str, rank: int) -> list[ScheduledCollective]:
     """The collectives of one graph in program order (one per ledger hook)."""
-    import torch
-
     topology = current_topology()
     result = []
-    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.zppc.record_comm.default):
-        out, kind, group_name = node.args
+    for m in find_collectives(gm.graph):
+        kind, group_name = m.kind, m.group_name
         ranks = group_ranks(group_name)
-        per_peer = bytes_per_peer(kind, out.meta["val"], len(ranks))
+        per_peer = bytes_per_peer(kind, m.input.meta["val"], len(ranks))
         node_size = topology.node_size if topology else len(ranks)
         intra, inter = peer_split(group_name, rank, node_size)
         result.append(
@@ -72,7 +70,7 @@ def graph_schedule(gm: fx.GraphModule, graph: str, rank: int) -> list[ScheduledC
                 bytes_per_peer=per_peer,
                 intra_node_bytes=intra * per_peer,
                 inter_node_bytes=inter * per_peer,
-                unquantized_bytes_per_peer=out.meta.get(UNQUANTIZED_BYTES, per_peer),
+                unquantized_bytes_per_peer=m.wait.meta.get(UNQUANTIZED_BYTES, per_peer),
             )
         )
     return result
