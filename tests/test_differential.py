@@ -104,7 +104,7 @@ ADAM_MODELS = tuple(m for m in ALL_MODELS if m != "batchnorm")
 @pytest.mark.multiproc
 @pytest.mark.inductor
 @pytest.mark.timeout(1500)
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_padded_mlp_with_momentum_under_both_lowerings(world):
     strategies = [(s, STRATEGIES[s]) for s in ("ddp", "zero2", "zero3", "zeropp")]
     run_matrix(world, cases_for(strategies, ["padded"], ["sgd"], (1, 2)), timeout=1440)
