@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass, field
 from functools import cache
 
-from zppc.runtime.topology import current_topology, group_ranks, world_epoch
+from zppc.runtime.topology import group_ranks, node_size_of, world_epoch
 
 
 @dataclass
@@ -83,9 +83,8 @@ def record(kind: str, group_name: str, bytes_per_peer: int) -> None:
     """Count a collective in which every other rank of the group sent me `bytes_per_peer`."""
     import torch.distributed as dist
 
-    topology = current_topology()
     me = dist.get_rank()
-    node_size = topology.node_size if topology else dist.get_world_size()
+    node_size = node_size_of(group_name) or dist.get_world_size()
     intra_peers, inter_peers = peer_split(group_name, me, node_size)
     intra, inter = intra_peers * bytes_per_peer, inter_peers * bytes_per_peer
     with _LOCK:

@@ -68,11 +68,14 @@ class Groups:
     cross_node: str
 
 
-_TOPOLOGY: Topology | None = None
 # Keyed by the default process group too: tests (and the CLI) create and destroy
-# several worlds in one process. The value keeps the group alive so its id stays
-# unique while cached.
-_GROUPS: dict[tuple[int, int, int], tuple[dist.ProcessGroup, Groups]] = {}
+# several worlds in one process. The value keeps the groups alive so their
+# names stay unique while cached.
+_GROUPS: dict[tuple[int, int, int], tuple[list[dist.ProcessGroup], Groups]] = {}
+# (world epoch, group name) -> ranks per node of the topology that group serves.
+# A group serves one topology only, so the ledger and the schedule split a
+# collective's bytes by its own model's nodes, even with two models in a process.
+_NODE_SIZE: dict[tuple[int, str], int] = {}
 
 
 def world_epoch() -> int:
@@ -80,24 +83,26 @@ def world_epoch() -> int:
     return id(dist.distributed_c10d._get_default_group())
 
 
-def current_topology() -> Topology | None:
-    """The topology zppc was set up with in this process (None before)."""
-    return _TOPOLOGY
+def node_size_of(group_name: str) -> int | None:
+    """Ranks per node of the topology whose group this is (None: not zppc's)."""
+    return _NODE_SIZE.get((world_epoch(), group_name))
 
 
-def set_topology(topology: Topology) -> None:
-    global _TOPOLOGY
-    _TOPOLOGY = topology
-
-
-def setup_groups(topology: Topology) -> Groups:
-    """Create (once) the world, intra-node and cross-node groups; collective."""
-    set_topology(topology)
+def setup_groups(topology: Topology, mesh=None) -> Groups:
+    """The world, intra-node and cross-node groups of one topology: those of a
+    2-D `mesh` (nodes x ranks per node) when given, else created once per
+    topology; collective (every rank calls it in the same order). The first
+    topology's world group is WORLD; another topology gets a world group of its
+    own, so each group belongs to one topology."""
     key = (world_epoch(), topology.world_size, topology.node_size)
     if key in _GROUPS:
         return _GROUPS[key][1]
     world = dist.group.WORLD
-    if topology.node_size in (1, topology.world_size):
+    if node_size_of(world.group_name) not in (None, topology.node_size):
+        world = dist.new_group(list(range(topology.world_size)))
+    if mesh is not None and mesh.ndim == 2:
+        intra, cross = mesh.get_group(1), mesh.get_group(0)
+    elif topology.node_size in (1, topology.world_size):
         # Degenerate layouts need no new group: one of the two is the world,
         # the other holds only this rank.
         single = _single_rank_group(topology)
@@ -109,7 +114,9 @@ def setup_groups(topology: Topology) -> Groups:
     groups = Groups(
         world=world.group_name, intra_node=intra.group_name, cross_node=cross.group_name
     )
-    _GROUPS[key] = (world, groups)
+    _GROUPS[key] = ([world, intra, cross], groups)
+    for name in (groups.world, groups.intra_node, groups.cross_node):
+        _NODE_SIZE.setdefault((world_epoch(), name), topology.node_size)
     return groups
 
 

@@ -10,7 +10,7 @@ from torch import fx
 from zppc.passes.zero import UNQUANTIZED_BYTES, find_collectives
 from zppc.runtime.collectives import bytes_per_peer
 from zppc.runtime.ledger import peer_split
-from zppc.runtime.topology import current_topology, group_ranks
+from zppc.runtime.topology import group_ranks, node_size_of
 
 
 @dataclass(frozen=True)
@@ -52,13 +52,12 @@ class CompileRecord:
 
 def graph_schedule(gm: fx.GraphModule, graph: str, rank: int) -> list[ScheduledCollective]:
     """The collectives of one graph in program order (one per ledger hook)."""
-    topology = current_topology()
     result = []
     for m in find_collectives(gm.graph):
         kind, group_name = m.kind, m.group_name
         ranks = group_ranks(group_name)
         per_peer = bytes_per_peer(kind, m.input.meta["val"], len(ranks))
-        node_size = topology.node_size if topology else len(ranks)
+        node_size = node_size_of(group_name) or len(ranks)
         intra, inter = peer_split(group_name, rank, node_size)
         result.append(
             ScheduledCollective(
