@@ -64,9 +64,18 @@ def test_zero3_schedule_at_scale(fake_world):
 def test_padding_for_sizes_smaller_than_the_world(fake_world):
     world, _ = fake_world
     model, _ = compile_one_step(zppc.Config(lowering="eager", node_size=8))
-    for fqn, spec in model._zppc_state.specs.items():
-        assert spec.shard_numel == math.ceil(spec.numel / world)
-        assert model._zppc_state.shard(fqn).numel() == spec.shard_numel
+    state = model._zppc_state
+    for fqn, spec in state.specs.items():
+        # Dim 0 is split as Shard(0) splits it (whole rows, padded per rank).
+        rows = math.ceil(spec.shape[0] / world)
+        assert spec.shard_numel == rows * spec.numel // spec.shape[0]
+        assert state.shard(fqn).numel() == spec.shard_numel
+        param = state.parameter(fqn)
+        assert param.shape == spec.shape and param.placements == spec.placements
+        # Every rank's piece of the DTensor is a view of its flat shard.
+        local = param.to_local()
+        assert local.shape == spec.local_shape(dist.get_rank())
+        assert local.untyped_storage().data_ptr() == state.shard(fqn).untyped_storage().data_ptr()
 
 
 @pytest.mark.parametrize("fake_world", [(384, 0)], indirect=True)

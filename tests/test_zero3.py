@@ -18,6 +18,11 @@ def full_weights_saved(result) -> list:
     return [s for s in result["saved"] if s in weights]
 
 
+def shard_bytes_of(shape, world: int) -> int:
+    """fp32 bytes of one rank's flat shard: whole rows of dim 0, padded per rank."""
+    return math.ceil(shape[0] / world) * math.prod(shape[1:]) * 4
+
+
 def test_zero3_forward_saves_no_full_weight():
     result = run_ranks(saved_for_backward, 2, "zero3")[0]
     assert result["saved"], "the saved-tensor hook saw nothing: the test would be blind"
@@ -34,8 +39,9 @@ def test_rank_state_is_one_world_th():
     world = 4
     for result in run_ranks(training_state_bytes, world, "zero3"):
         ratio = result["rank"] / result["single"]
-        # Padding to the world size adds at most world-1 elements per parameter.
-        assert 1 / world <= ratio <= 1 / world * 1.02, ratio
+        # Rows are split as Shard(0) splits them and padded per rank: the last
+        # rank's optimizer state holds fewer rows, every flat shard the same.
+        assert 1 / world * 0.9 <= ratio <= 1 / world * 1.05, ratio
 
 
 @pytest.mark.parametrize("model", ["gpt", "frozen"])
@@ -51,7 +57,7 @@ def test_ledger_matches_formula_and_schedule(bucket):
     world, node_size = 4, 2
     results = run_ranks(one_step_ledger, world, node_size, () if bucket else ("bucket",))
     shapes = results[0]["shapes"]
-    shard_bytes = {name: math.ceil(math.prod(s) / world) * 4 for name, s in shapes.items()}
+    shard_bytes = {name: shard_bytes_of(s, world) for name, s in shapes.items()}
     # Forward gathers every weight, backward re-gathers those needed for input
     # gradients (all but l1: the input needs no gradient), and every gradient is
     # reduce-scattered. Each peer sends one shard per collective; with 2 ranks
@@ -83,7 +89,7 @@ def test_hpz_backward_gathers_inside_the_node():
     world, node_size = 4, 2
     results = run_ranks(one_step_ledger, world, node_size, ("bucket",), True)
     shapes = results[0]["shapes"]
-    shard = {name: math.ceil(math.prod(s) / world) * 4 for name, s in shapes.items()}
+    shard = {name: shard_bytes_of(s, world) for name, s in shapes.items()}
     secondary = {name: math.ceil(math.prod(s) / node_size) * 4 for name, s in shapes.items()}
     gathered_fwd = sum(shard.values())
     gathered_bwd = secondary["l2.weight"] + secondary["l3.weight"]  # from the 1 peer on my node

@@ -8,6 +8,7 @@ import hashlib
 import torch
 import torch.distributed as dist
 from models import MODELS
+from torch.distributed.tensor import DTensor
 
 import zppc
 
@@ -114,15 +115,23 @@ def saved_for_backward(rank, world, strategy, hpz=False):
     return {"saved": saved, "weights": weight_shapes}
 
 
+def storage_bytes(t: torch.Tensor) -> int:
+    """Bytes of memory behind `t` on this rank (a DTensor's local piece, with the
+    padding of the flat shard it is a view of)."""
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    return t.untyped_storage().nbytes()
+
+
 def state_bytes(params, opt) -> int:
     total = 0
     for p in params:
-        total += p.numel() * p.element_size()
+        total += storage_bytes(p)
         if p.grad is not None:
-            total += p.grad.numel() * p.grad.element_size()
+            total += storage_bytes(p.grad)
         for value in opt.state.get(p, {}).values():
             if torch.is_tensor(value) and value.dim() > 0:
-                total += value.numel() * value.element_size()
+                total += storage_bytes(value)
     return total
 
 
@@ -338,7 +347,8 @@ def lossless_qwz_step(rank, world):
         x, y = model.batch(0)
         loss = step(local_slice(x, rank, world), local_slice(y, rank, world))
         loss.backward()
-        result[qwz] = {"loss": loss.detach(), "grads": [p.grad.clone() for p in model.parameters()]}
+        grads = [p.grad.to_local().clone() for p in model.parameters()]
+        result[qwz] = {"loss": loss.detach(), "grads": grads}
     return result
 
 
@@ -373,9 +383,11 @@ def qwz_training(rank, world, steps):
     return result
 
 
-def checkpoint_round_trip(rank, world, path, phase):
+def checkpoint_round_trip(rank, world, path, phase, api="zppc"):
     """phase "save": train 3 steps, save, train 2 more (the reference).
-    phase "load": fresh model and optimizer, load, train the same 2 steps."""
+    phase "load": fresh model and optimizer, load, train the same 2 steps.
+    api "zppc": zppc.save / zppc.load; "dcp": DCP with the standard
+    get/set_{model,optimizer}_state_dict, as a user of FSDP2 would write it."""
     torch._dynamo.reset()
     torch.manual_seed(1 if phase == "load" else 0)  # loading must overwrite everything
     model = MODELS["frozen"]()
@@ -388,9 +400,22 @@ def checkpoint_round_trip(rank, world, path, phase):
 
     if phase == "save":
         train(range(3))
-        zppc.save(model, opt, path)
+    if api == "zppc":
+        (zppc.save if phase == "save" else zppc.load)(model, opt, path)
     else:
-        zppc.load(model, opt, path)
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import state_dict as sd
+
+        state = {
+            "model": sd.get_model_state_dict(model),
+            "optim": sd.get_optimizer_state_dict(model, opt),
+        }
+        if phase == "save":
+            dcp.save(state, checkpoint_id=path)
+        else:
+            dcp.load(state, checkpoint_id=path)
+            sd.set_model_state_dict(model, state["model"])
+            sd.set_optimizer_state_dict(model, opt, state["optim"])
     after = train(range(3, 5))
     return {"losses": after, "params": zppc.full_parameters(model), "lr": opt.param_groups[0]["lr"]}
 
@@ -439,7 +464,6 @@ def parameter_free_graph(rank, world):
     parameter-free graph: the topology, the ledger's split and the lowering
     must stay the model's."""
     import torch._inductor.compile_fx as inductor_entry
-    from zppc.runtime.topology import current_topology
 
     def no_inductor(*args, **kwargs):
         raise AssertionError("Inductor was called although the model asked for eager")
@@ -462,7 +486,7 @@ def parameter_free_graph(rank, world):
     eager_loss = uncompiled(x, y)
     return {
         "stats": stats,
-        "node_size": current_topology().node_size,
+        "node_size": model._zppc_state.topology.node_size,
         "losses": (compiled_loss.item(), eager_loss.item()),
         "records": len(zppc.inspect(step).compiles),
     }

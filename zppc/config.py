@@ -64,8 +64,14 @@ class Config:
     """OSP: the fraction of gradient bytes deferred to stage 2, in (0, 1)."""
 
     node_size: int | None = None
-    """Ranks per node. None: the LOCAL_WORLD_SIZE environment variable, or the
-    whole world when it is unset (one node)."""
+    """Ranks per node. None: the last dim of `mesh` if given, else the
+    LOCAL_WORLD_SIZE environment variable, or the whole world when it is unset
+    (one node)."""
+
+    mesh: Any = None
+    """A `torch.distributed.DeviceMesh` (nodes x ranks per node, ranks in order)
+    whose groups zppc uses for its intra- and cross-node collectives. None: one
+    built from `node_size`."""
 
     bucket_bytes: int = 25 * 2**20
     """Consecutive collectives are coalesced into buckets whose full tensor (the
@@ -114,6 +120,13 @@ class Config:
             or self.node_size <= 0
         ):
             raise ValueError(f"node_size must be a positive int or None, got {self.node_size!r}")
+        if self.mesh is not None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            if not isinstance(self.mesh, DeviceMesh):
+                raise ValueError(
+                    f"mesh must be a DeviceMesh or None, got {type(self.mesh).__name__}"
+                )
         if self.osp is not None and not (
             isinstance(self.osp, (int, float))
             and not isinstance(self.osp, bool)
