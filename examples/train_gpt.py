@@ -66,7 +66,14 @@ def main() -> None:
         strategy=args.strategy, qwz=qwz, hpz=hpz, node_size=args.node_size, lowering=args.lowering
     )
     zppc.distribute(model, config)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    # The parameters are DTensors of their original shapes: nanoGPT's rule of
+    # decaying matrices only, and clipping by the global norm, work unchanged.
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+    )
     step = torch.compile(model, backend="zppc")
 
     data = stdlib_corpus(int(args.corpus_mb * 2**20))
@@ -85,6 +92,7 @@ def main() -> None:
         x, y = next(train)
         loss = step(x, y)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         value = loss.detach()
