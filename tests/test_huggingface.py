@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(900)]
 ZERO_PP = {"qwz": "int8", "hpz": True}
 CASES = [
     pytest.param("gpt2", {}, False, id="gpt2-zero3"),
-    pytest.param("llama", ZERO_PP, True, id="llama-zeropp-checkpointing"),
+    pytest.param("llama", ZERO_PP, True, id="llama-zeropp-checkpointing", marks=pytest.mark.slow),
     pytest.param("gpt2", {}, True, id="gpt2-zero3-checkpointing", marks=pytest.mark.slow),
     pytest.param("gpt2", ZERO_PP, False, id="gpt2-zeropp", marks=pytest.mark.slow),
     pytest.param("llama", {}, False, id="llama-zero3", marks=pytest.mark.slow),
