@@ -112,17 +112,28 @@ class CollectiveMatch:
 
 
 def find_collectives(graph: fx.Graph) -> list[CollectiveMatch]:
-    """Every lowered collective, in program order of its ledger hook."""
+    """Every lowered collective, in program order of its ledger hook. A hook's
+    collective is the first matching one issued after it on the same input
+    (activation checkpointing can gather one shard twice in a backward)."""
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    claimed: set[fx.Node] = set()
     matches = []
     for record in graph.find_nodes(op="call_function", target=RECORD):
         inp, kind, group_name = record.args
-        issues = [
-            u
-            for u in inp.users
-            if COLLECTIVE_KINDS.get(u.target) == kind and u.args[-1] == group_name
-        ]
-        if len(issues) != 1:
-            raise AssertionError(f"ledger hook {record.name} matches {len(issues)} collectives")
+        issues = sorted(
+            (
+                u
+                for u in inp.users
+                if COLLECTIVE_KINDS.get(u.target) == kind
+                and u.args[-1] == group_name
+                and u not in claimed
+                and position[u] > position[record]
+            ),
+            key=position.__getitem__,
+        )
+        if not issues:
+            raise AssertionError(f"ledger hook {record.name} matches no collective")
+        claimed.add(issues[0])
         (wait,) = issues[0].users
         matches.append(CollectiveMatch(record, issues[0], wait, kind, group_name))
     return matches
