@@ -294,9 +294,9 @@ def _prepare_optimizer_step(optimizer, args, kwargs) -> None:
             f"elementwise optimizer (SGD, Adam, AdamW, ...)"
         )
     for group in optimizer.param_groups:
-        if "foreach" in group and group["foreach"] is None and not group.get("fused"):
-            if not group.get("differentiable"):
-                group["foreach"] = True
+        left_to_torch = "foreach" in group and group["foreach"] is None
+        if left_to_torch and not group.get("fused") and not group.get("differentiable"):
+            group["foreach"] = True
 
 
 def _node_size(config: Config, world: int) -> int:
