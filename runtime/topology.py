@@ -9,9 +9,11 @@ the same order (torch.distributed requires it), and keeps its own two.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,10 @@ class Groups:
     world: str
     intra_node: str
     cross_node: str
+    mesh: DeviceMesh | None = field(default=None, compare=False)
+    """The 2-D (node, local) mesh the intra- and cross-node groups come from:
+    the user's, or one built from `node_size`; None when nodes are uneven
+    (`world_size % node_size != 0`), where the groups are enumerated instead."""
 
 
 # Keyed by the default process group too: tests (and the CLI) create and destroy
@@ -88,31 +94,28 @@ def node_size_of(group_name: str) -> int | None:
     return _NODE_SIZE.get((world_epoch(), group_name))
 
 
-def setup_groups(topology: Topology, mesh=None) -> Groups:
+def setup_groups(topology: Topology, mesh: DeviceMesh | None = None) -> Groups:
     """The world, intra-node and cross-node groups of one topology: those of a
-    2-D `mesh` (nodes x ranks per node) when given, else created once per
-    topology; collective (every rank calls it in the same order). The first
-    topology's world group is WORLD; another topology gets a world group of its
-    own, so each group belongs to one topology."""
+    2-D `mesh` (nodes x ranks per node), the user's or else one built here;
+    collective (every rank calls it in the same order). The first topology's
+    world group is WORLD; another topology gets a world group of its own, so
+    each group belongs to one topology."""
     key = (world_epoch(), topology.world_size, topology.node_size)
     if key in _GROUPS:
         return _GROUPS[key][1]
     world = dist.group.WORLD
     if node_size_of(world.group_name) not in (None, topology.node_size):
         world = dist.new_group(list(range(topology.world_size)))
-    if mesh is not None and mesh.ndim == 2:
+    if mesh is None or mesh.ndim != 2:
+        mesh = _node_mesh(topology) if topology.world_size % topology.node_size == 0 else None
+    if mesh is not None:
         intra, cross = mesh.get_group(1), mesh.get_group(0)
-    elif topology.node_size in (1, topology.world_size):
-        # Degenerate layouts need no new group: one of the two is the world,
-        # the other holds only this rank.
-        single = _single_rank_group(topology)
-        intra = world if topology.node_size == topology.world_size else single
-        cross = single if topology.node_size == topology.world_size else world
     else:
+        # Uneven nodes: no mesh has this shape.
         intra, _ = dist.new_subgroups_by_enumeration(topology.intra_node_groups())
         cross, _ = dist.new_subgroups_by_enumeration(topology.cross_node_groups())
     groups = Groups(
-        world=world.group_name, intra_node=intra.group_name, cross_node=cross.group_name
+        world=world.group_name, intra_node=intra.group_name, cross_node=cross.group_name, mesh=mesh
     )
     _GROUPS[key] = ([world, intra, cross], groups)
     for name in (groups.world, groups.intra_node, groups.cross_node):
@@ -120,9 +123,13 @@ def setup_groups(topology: Topology, mesh=None) -> Groups:
     return groups
 
 
-def _single_rank_group(topology: Topology) -> dist.ProcessGroup:
-    group, _ = dist.new_subgroups_by_enumeration([[r] for r in range(topology.world_size)])
-    return group
+def _node_mesh(topology: Topology) -> DeviceMesh:
+    """The (node, local) mesh of an even topology, as `init_device_mesh` would lay it out."""
+    return DeviceMesh(
+        "cuda" if dist.get_backend() == "nccl" else "cpu",
+        torch.arange(topology.world_size).view(topology.num_nodes, topology.node_size),
+        mesh_dim_names=("node", "local"),
+    )
 
 
 def group_ranks(group_name: str) -> list[int]:

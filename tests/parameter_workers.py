@@ -145,20 +145,25 @@ def in_place_init(rank, world, lowering):
     return train_pair(rank, world, model, reference, sgd)
 
 
-def adafactor_is_refused(rank, world, lowering):
+def adafactor(named):
+    return torch.optim.Adafactor([p for _, p in named], lr=1e-2)
+
+
+def adafactor_on_shards_or_replicas(rank, world, lowering):
+    """Adafactor is refused at construction on sharded parameters, before any
+    state exists; on ddp's replicated ones it trains like one process."""
     model, _ = fresh_pair()
     zppc.distribute(model, config(lowering))
-    before = zppc.full_parameters(model)
-    opt = torch.optim.Adafactor(model.parameters(), lr=1e-2)
-    x, y = OddMLP.batch(0)
-    torch.compile(model, backend="zppc")(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
     try:
-        opt.step()
+        torch.optim.Adafactor(model.parameters(), lr=1e-2)
         error = None
     except ValueError as exc:
         error = str(exc)
-    after = zppc.full_parameters(model)
-    return {"error": error, "moved": [n for n in before if not torch.equal(before[n], after[n])]}
+    replicated, reference = fresh_pair()
+    zppc.distribute(replicated, config(lowering, strategy="ddp"))
+    out = train_pair(rank, world, replicated, reference, adafactor)
+    out["error"] = error
+    return out
 
 
 def bf16_compute(rank, world, lowering):
@@ -201,10 +206,25 @@ def two_topologies(rank, world, lowering):
     one_node, _ = fresh_pair()
     zppc.distribute(two_nodes, zppc.Config(node_size=2, lowering=lowering))
     zppc.distribute(one_node, zppc.Config(node_size=4, lowering=lowering))
+    meshes = {}
+    for name, model in (("two_nodes", two_nodes), ("one_node", one_node)):
+        state = model._zppc_state
+        meshes[name] = {
+            "shape": tuple(state.node_mesh.shape),
+            "names": state.node_mesh.mesh_dim_names,
+            "groups_from_mesh": [
+                dist.get_process_group_ranks(state.node_mesh.get_group(d)) for d in (1, 0)
+            ]
+            == [
+                dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(g))
+                for g in (state.groups.intra_node, state.groups.cross_node)
+            ],
+        }
     return {
         "two_nodes": one_step_bytes(rank, world, two_nodes),
         "one_node": one_step_bytes(rank, world, one_node),
         "two_nodes_again": one_step_bytes(rank, world, two_nodes),
+        "meshes": meshes,
     }
 
 
@@ -229,7 +249,7 @@ SCENARIOS = {
     "decay_groups": decay_groups,
     "load_full_state_dict": load_full_state_dict,
     "in_place_init": in_place_init,
-    "adafactor_is_refused": adafactor_is_refused,
+    "adafactor": adafactor_on_shards_or_replicas,
     "bf16_compute": bf16_compute,
     "read_on_one_rank": read_on_one_rank,
     "two_topologies": two_topologies,

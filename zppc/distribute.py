@@ -18,6 +18,7 @@ step or an in-place `zero_grad` reaches both).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 import weakref
@@ -141,6 +142,12 @@ class DistributedState:
     compiles: list = field(default_factory=list)
     """`CompileRecord`s of every graph compiled from this model (for `zppc.inspect`)."""
 
+    @property
+    def node_mesh(self) -> DeviceMesh | None:
+        """2-D (node, local) mesh whose groups carry the intra- and cross-node
+        collectives (None when `world_size % node_size != 0`)."""
+        return self.groups.mesh
+
     def shard(self, fqn: str) -> nn.Parameter:
         return self.flat_shards[fqn]
 
@@ -258,8 +265,9 @@ def distribute(model: nn.Module, config: Config | None = None) -> nn.Module:
 
 
 # Optimizers that compute statistics over a whole tensor with in-place ops that
-# DTensor cannot run on a sharded one (a column mean of a Shard(0) tensor is a
-# pending sum across ranks): refused by name instead of failing deep inside.
+# DTensor cannot run on a sharded one (Adafactor's column mean of a Shard(0)
+# gradient is a pending sum across ranks, which `square_` cannot take in place):
+# refused when they are given sharded zppc parameters, at construction.
 PER_TENSOR_OPTIMIZERS = ("Adafactor",)
 _GUARD_INSTALLED = [False]
 
@@ -267,32 +275,55 @@ _GUARD_INSTALLED = [False]
 def _guard_optimizers() -> None:
     if _GUARD_INSTALLED[0]:
         return
-    register_optimizer_step_pre_hook(_prepare_optimizer_step)
+    for name in PER_TENSOR_OPTIMIZERS:
+        cls = getattr(torch.optim, name, None)
+        if cls is not None:
+            cls.add_param_group = _refusing_sharded(cls.add_param_group)
+    register_optimizer_step_pre_hook(_prefer_foreach)
     _GUARD_INSTALLED[0] = True
 
 
-def _prepare_optimizer_step(optimizer, args, kwargs) -> None:
-    """Before any optimizer steps on zppc parameters: refuse the per-tensor
-    optimizers, and use the multi-tensor (foreach) implementation where the
-    user left the choice to torch. torch already picks it on GPUs; on CPU it
-    would pick the per-tensor loop, and each DTensor op pays a dispatch (a
-    gpt-small AdamW step: 66 ms per-tensor, 20 ms foreach, 14 ms before
-    parameters were DTensors)."""
-    ours = [
-        p
+def _refusing_sharded(add_param_group):
+    """`add_param_group` of a per-tensor optimizer, raising before a sharded zppc
+    parameter joins (the constructor adds its groups through it)."""
+
+    @functools.wraps(add_param_group)
+    def checked(optimizer, param_group: dict) -> None:
+        params = param_group["params"]
+        if not isinstance(params, (Tensor, set)):  # a set: torch's own error follows
+            params = param_group["params"] = list(params)
+        if isinstance(params, Tensor):
+            params = [params]
+        if any(_is_sharded_zppc_parameter(p) for p in params):
+            raise ValueError(
+                f"{type(optimizer).__name__} computes per-tensor statistics that sharded "
+                f"zppc parameters cannot provide in place; use strategy='ddp' for it, or "
+                f"an elementwise optimizer (SGD, Adam, AdamW, ...)"
+            )
+        add_param_group(optimizer, param_group)
+
+    return checked
+
+
+def _is_sharded_zppc_parameter(p: object) -> bool:
+    return (
+        isinstance(p, DTensor) and state_of_shard(p) is not None and p.placements != (Replicate(),)
+    )
+
+
+def _prefer_foreach(optimizer, args, kwargs) -> None:
+    """Before an optimizer steps on zppc parameters, use the multi-tensor
+    (foreach) implementation where the user left the choice to torch. torch
+    already picks it on GPUs; on CPU it would pick the per-tensor loop, and each
+    DTensor op pays a dispatch (a gpt-small AdamW step: 66 ms per-tensor, 20 ms
+    foreach, 14 ms before parameters were DTensors)."""
+    ours = any(
+        isinstance(p, DTensor) and state_of_shard(p) is not None
         for group in optimizer.param_groups
         for p in group["params"]
-        if isinstance(p, DTensor) and state_of_shard(p) is not None
-    ]
+    )
     if not ours:
         return
-    name = type(optimizer).__name__
-    if name in PER_TENSOR_OPTIMIZERS and any(p.placements != (Replicate(),) for p in ours):
-        raise ValueError(
-            f"{name} computes per-tensor statistics that sharded zppc "
-            f"parameters cannot provide in place; use strategy='ddp' for it, or an "
-            f"elementwise optimizer (SGD, Adam, AdamW, ...)"
-        )
     for group in optimizer.param_groups:
         left_to_torch = "foreach" in group and group["foreach"] is None
         if left_to_torch and not group.get("fused") and not group.get("differentiable"):
