@@ -1,4 +1,4 @@
-"""Block quantization for quantized collectives (qwZ; qgZ later).
+"""Block quantization for quantized collectives (qwZ, qgZ).
 
 One rank's tensor becomes one flat uint8 *payload* that travels as a single
 collective: first one fp32 scale per block, then the quantized values (int8,
@@ -78,23 +78,35 @@ class PayloadLayout:
 
 
 def quantize_pack_reference(x: Tensor, block: int, bits: int) -> Tensor:
-    layout = PayloadLayout(x.numel(), block, bits)
+    return quantize_pack_rows_reference(x.reshape(1, -1), block, bits).view(-1)
+
+
+def quantize_pack_rows_reference(rows: Tensor, block: int, bits: int) -> Tensor:
+    """[R, n] values -> [R, nbytes]: each row's own payload (qgZ sends row r
+    to rank r; qwZ's single payload is the one-row case)."""
+    nrows, numel = rows.shape
+    layout = PayloadLayout(numel, block, bits)
     qmax = QMAX[bits]
-    flat = torch.nn.functional.pad(x.reshape(-1).float(), (0, layout.padded - x.numel()))
-    blocks = flat.view(layout.nblocks, block)
-    amax = blocks.abs().amax(dim=1)
+    padded = torch.nn.functional.pad(rows.float(), (0, layout.padded - numel))
+    blocks = padded.view(nrows, layout.nblocks, block)
+    amax = blocks.abs().amax(dim=2)
     # Tensor / tensor: `qmax / amax` with a Python scalar goes through a
     # reciprocal on CPU and rounds twice; the kernel divides exactly (div_rn).
     inv = torch.where(amax > 0, torch.full_like(amax, qmax) / amax, torch.zeros_like(amax))
-    v = blocks * inv[:, None]
+    v = blocks * inv[:, :, None]
     q = torch.where(v >= 0, torch.floor(v + 0.5), -torch.floor(-v + 0.5)).clamp(-qmax, qmax)
-    q = q.to(torch.int8).view(-1)[: 2 * layout.value_bytes if bits == 4 else layout.numel]
+    q = q.to(torch.int8).view(nrows, -1)[:, : 2 * layout.value_bytes if bits == 4 else numel]
     if bits == 4:
-        q = ((q[0::2] & 0xF) | ((q[1::2] & 0xF) << 4)).to(torch.int8)
+        q = ((q[:, 0::2] & 0xF) | ((q[:, 1::2] & 0xF) << 4)).to(torch.int8)
     scale = amax / torch.full_like(amax, qmax)
     tail = layout.nbytes - layout.scale_bytes - layout.value_bytes
     return torch.cat(
-        [scale.view(torch.uint8), q.view(torch.uint8), q.new_zeros(tail, dtype=torch.uint8)]
+        [
+            scale.view(torch.uint8),
+            q.view(torch.uint8),
+            q.new_zeros(nrows, tail, dtype=torch.uint8),
+        ],
+        dim=1,
     )
 
 

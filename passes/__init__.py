@@ -17,7 +17,7 @@ from torch import fx
 
 # Every pass zppc knows, in pipeline order. Config.disable_passes is checked
 # against this tuple, so it must not import anything heavy.
-PASS_NAMES = ("dedupe_unshard", "zero", "qwz", "bucket")
+PASS_NAMES = ("dedupe_unshard", "zero", "qwz", "bucket", "qgz")
 
 log = logging.getLogger("zppc.passes")
 
@@ -43,17 +43,20 @@ class PassRecord:
 
 @dataclass
 class PassContext:
-    """What a pass may know: the config and which graph it is looking at."""
+    """What a pass may know: the config, which graph it is looking at, and the
+    model's process groups (None for a model compiled without `distribute`)."""
 
     config: object
     graph_kind: str
     records: list[PassRecord] = field(default_factory=list)
+    groups: object = None
 
 
 def build_passes(config) -> list[GraphPass]:
     """The ordered pass list for `config`."""
     from zppc.passes.bucket import bucket_pass
     from zppc.passes.dedupe import dedupe_unshard_pass
+    from zppc.passes.qgz import qgz_pass
     from zppc.passes.qwz import qwz_pass
     from zppc.passes.zero import zero_pass
 
@@ -64,6 +67,8 @@ def build_passes(config) -> list[GraphPass]:
     if config.qwz is not None:
         passes.append(GraphPass("qwz", qwz_pass, ("forward", "backward")))
     passes.append(GraphPass("bucket", bucket_pass, ("forward", "backward")))
+    if config.qgz is not None:
+        passes.append(GraphPass("qgz", qgz_pass, ("backward",)))
     return [p for p in passes if p.name not in config.disable_passes]
 
 

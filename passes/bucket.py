@@ -33,6 +33,7 @@ import torch
 from torch import fx
 from zppc.passes.graph_utils import GraphBuilder
 from zppc.passes.zero import (
+    GRAD_REDUCE,
     PARAM_GATHER,
     UNQUANTIZED_BYTES,
     CollectiveMatch,
@@ -174,6 +175,8 @@ def _reduce_bucket(gm: fx.GraphModule, bucket: list[CollectiveMatch]) -> None:
             b, kind, group_name, c10d.reduce_scatter_tensor.default, flat, "sum", world, group_name
         )
         sizes = [n // world for n in sizes]
+        if all(m.wait.meta.get(GRAD_REDUCE) for m in bucket):
+            reduced.meta[GRAD_REDUCE] = True
     else:
         flats = [flatten_padded(b, m.input, n) for m, n in zip(bucket, sizes, strict=True)]
         reduced = collective(

@@ -13,6 +13,8 @@ wait (`CollectiveMatch` finds the three again for later passes):
 - reduce_grad, zero2/zero3: flatten, pad, reduce-scatter(sum), divide by world.
   zero1: all-reduce(sum) of the padded flat gradient, then this rank's slice.
   ddp: all-reduce(sum), divide by world.
+  With qgZ on, every strategy: divide by world, flatten, pad, reduce-scatter
+  (tagged `GRAD_REDUCE` for the qgz pass); ddp then all-gathers the shards.
 
 - hpZ's secondary_shard: this rank's node-local slice (chosen at run time);
   unshard_secondary: an all-gather inside the node, unpadded and viewed.
@@ -53,8 +55,9 @@ def zero_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         replace_node(node, lower_secondary_shard(gm, node))
     for node in gm.graph.find_nodes(op="call_function", target=UNSHARD_SECONDARY):
         replace_node(node, lower_unshard_secondary(gm, node))
+    two_hop = ctx.config.qgz is not None
     for match in find_reduce_grads(gm.graph):
-        replace_node(match.node, lower_reduce_grad(gm, match))
+        replace_node(match.node, lower_reduce_grad(gm, match, two_hop))
     return gm
 
 
@@ -107,6 +110,10 @@ class CollectiveMatch:
     def replace_with(self, result: fx.Node) -> None:
         """Route every user of the collective's result to `result`; erase the three."""
         self.wait.replace_all_uses_with(result)
+        self.erase()
+
+    def erase(self) -> None:
+        """Remove the three nodes (the result must have no user left)."""
         for node in (self.wait, self.issue, self.record):
             node.graph.erase_node(node)
 
@@ -154,6 +161,9 @@ PARAM_GATHER = "zppc_param_gather"
 UNQUANTIZED_BYTES = "zppc_unquantized_bytes"
 # meta key on the wait node of an hpZ gather inside the node (qwz leaves it).
 NODE_LOCAL = "zppc_node_local"
+# meta key on the wait node of a reduce-scatter of gradients divided by the world
+# size beforehand (with qgZ on): its sum is the mean, and qgz rewrites it.
+GRAD_REDUCE = "zppc_grad_reduce"
 
 
 def unpad_to_shape(b: GraphBuilder, flat: fx.Node, shape: tuple[int, ...], numel: int) -> fx.Node:
@@ -200,10 +210,12 @@ def flatten_padded(b: GraphBuilder, grad: fx.Node, total: int) -> fx.Node:
     return b.call(aten.constant_pad_nd.default, flat, [0, missing], 0.0) if missing else flat
 
 
-def lower_reduce_grad(gm: fx.GraphModule, m: ReduceGradMatch) -> fx.Node:
+def lower_reduce_grad(gm: fx.GraphModule, m: ReduceGradMatch, two_hop: bool) -> fx.Node:
     b = GraphBuilder(gm, m.node)
     world = group_size(m.group_name)
     grad = cast(b, m.grad, m.reduce_dtype)
+    if two_hop:
+        return cast(b, reduce_for_qgz(b, grad, m, world), m.out_dtype)
     if m.mode == "ddp":
         total = collective(
             b, "all_reduce", m.group_name, c10d.all_reduce.default, grad, "sum", m.group_name
@@ -216,15 +228,35 @@ def lower_reduce_grad(gm: fx.GraphModule, m: ReduceGradMatch) -> fx.Node:
             )
             total = b.call(zppc_ops.take_shard.default, reduced, m.group_name)
         else:
-            total = collective(
-                b,
-                "reduce_scatter",
-                m.group_name,
-                c10d.reduce_scatter_tensor.default,
-                flat,
-                "sum",
-                world,
-                m.group_name,
-            )
+            total = reduce_scatter(b, flat, m.group_name, world)
     averaged = b.call(aten.div.Tensor, total, world)
     return cast(b, averaged, m.out_dtype)
+
+
+def reduce_scatter(b: GraphBuilder, flat: fx.Node, group_name: str, world: int) -> fx.Node:
+    return collective(
+        b,
+        "reduce_scatter",
+        group_name,
+        c10d.reduce_scatter_tensor.default,
+        flat,
+        "sum",
+        world,
+        group_name,
+    )
+
+
+def reduce_for_qgz(b: GraphBuilder, grad: fx.Node, m: ReduceGradMatch, world: int) -> fx.Node:
+    """With qgZ every strategy reduces by one reduce-scatter of the gradient
+    divided by the world size beforehand (the sum of the pieces is the mean;
+    the qgz pass turns it into its two hops, summed in fp32). zero1 keeps its
+    shard of the mean, as zero2/zero3 do; ddp gathers the shards back."""
+    numel = grad.meta["val"].numel()
+    shard = -(-numel // world) if m.mode == "ddp" else m.shard_numel
+    predivided = b.call(aten.div.Tensor, flatten_padded(b, grad, shard * world), world)
+    mean = reduce_scatter(b, predivided, m.group_name, world)
+    mean.meta[GRAD_REDUCE] = True
+    if m.mode != "ddp":
+        return mean
+    full = all_gather(b, mean, m.group_name)
+    return unpad_to_shape(b, full, tuple(grad.meta["val"].shape), numel)

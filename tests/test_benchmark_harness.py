@@ -41,12 +41,12 @@ def test_quick_run_builds_measures_and_removes_the_cluster(tmp_path):
         "zppc-zero3-qwz-int8",
         "zppc-zero3-qgz",
     }
-    for name in ("torch-ddp", "torch-fsdp2", "zppc-zero3", "zppc-zero3-qwz-int8"):
+    for name in rows:
         assert rows[name]["status"] == "ok", rows[name]
         assert rows[name]["wire_bytes"] > 0 and rows[name]["tokens_per_second"] > 0
-    assert rows["zppc-zero3-qgz"]["status"].startswith("not runnable")
-    # qwZ puts fewer bytes on the wire than plain zero3, by the link's own counters.
-    assert rows["zppc-zero3-qwz-int8"]["wire_bytes"] < rows["zppc-zero3"]["wire_bytes"]
+    # qwZ and qgZ put fewer bytes on the wire than plain zero3, by the link's own counters.
+    for name in ("zppc-zero3-qwz-int8", "zppc-zero3-qgz"):
+        assert rows[name]["wire_bytes"] < rows["zppc-zero3"]["wire_bytes"]
     assert (tmp_path / "bench.png").stat().st_size > 0
 
 

@@ -91,11 +91,21 @@ def test_schedule_hpz_keeps_backward_gathers_inside_the_node(capsys):
     assert all(r["group_size"] == 16 and r["inter_node_bytes"] > 0 for r in forward_gathers)
 
 
+def test_schedule_qgz_shows_both_hops(capsys):
+    args = ["schedule", "gpt-tiny", "--world-size", "384", "--node-size", "16", "--format", "json"]
+    main([*args, "--qgz", "int4"])
+    rows = json.loads(capsys.readouterr().out)["collectives"]
+    hops = [r for r in rows if r["kind"] == "all_to_all"]
+    assert [r["group_size"] for r in hops] == [16, 24]
+    assert hops[0]["inter_node_bytes"] == 0 and hops[1]["intra_node_bytes"] == 0
+    assert not [r for r in rows if r["kind"] == "reduce_scatter"]
+
+
 @pytest.mark.parametrize(
     "flags, words",
     [
         (["--hpz", "--node-size", "3"], "16 % 3"),
-        (["--qgz", "int4"], "not implemented"),
+        (["--qgz", "int4", "--node-size", "3"], "16 % 3"),
         (["--strategy", "rtp"], "not implemented"),
         (["--osp", "1.5"], "osp"),
     ],

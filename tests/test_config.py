@@ -41,7 +41,11 @@ def test_config_is_frozen():
         (dict(disable_passes=("zer0",)), ["disable_passes", "zer0"]),
         (dict(strategy="ddp", qwz="int8"), ["qwz", "ddp"]),
         (dict(strategy="zero2", hpz=True), ["hpz", "zero2"]),
-        (dict(strategy="zero1", qgz="int4"), ["qgz", "zero1"]),
+        (dict(qgz="int4", qgz_intra_node="fp8"), ["qgz_intra_node", "fp8"]),
+        (dict(qgz="int4", qgz_block=33), ["qgz_block", "even"]),
+        (dict(qgz="int8", qgz_intra_node="int4", qgz_block=33), ["qgz_block", "even"]),
+        (dict(qgz="int8", qgz_quantize="no"), ["qgz_quantize"]),
+        (dict(strategy="rtp", qgz="int4"), ["rtp", "qgz"]),
     ],
 )
 def test_bad_values_name_the_field(kwargs, words):
@@ -52,7 +56,7 @@ def test_bad_values_name_the_field(kwargs, words):
 
 
 def test_unbuilt_features_refuse_instead_of_ignoring():
-    for kwargs in (dict(qgz="int4"), dict(osp=0.3), dict(strategy="rtp")):
+    for kwargs in (dict(osp=0.3), dict(strategy="rtp")):
         with pytest.raises(NotImplementedError, match="not implemented yet"):
             zppc.Config(**kwargs)
 

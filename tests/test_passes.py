@@ -116,9 +116,10 @@ def test_bucket_plan_is_greedy_in_graph_order(fake_pg):
     )
     for node in gm.graph.nodes:
         node.meta.setdefault("val", None)
+    from zppc.passes import PassContext
     from zppc.passes.zero import zero_pass
 
-    gm = zero_pass(gm, None)
+    gm = zero_pass(gm, PassContext(zppc.Config(), "forward"))
     matches = find_collectives(gm.graph)
     assert [m.input_bytes for m in matches] == [8, 8, 4, 12]
     # Capped by what a bucket gathers (shard bytes x WORLD), not by the shards.
@@ -133,6 +134,8 @@ def test_bucket_plan_is_greedy_in_graph_order(fake_pg):
 def test_pass_list_and_disable():
     names = [p.name for p in build_passes(zppc.Config(qwz="int8"))]
     assert names == ["dedupe_unshard", "zero", "qwz", "bucket"]
+    names = [p.name for p in build_passes(zppc.Config(qwz="int8", qgz="int4"))]
+    assert names == ["dedupe_unshard", "zero", "qwz", "bucket", "qgz"]
     names = [p.name for p in build_passes(zppc.Config(disable_passes=("bucket",)))]
     assert names == ["dedupe_unshard", "zero"]
 

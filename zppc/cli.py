@@ -100,10 +100,14 @@ def _schedule(args: argparse.Namespace) -> int:
         json.dump({"traceEvents": events}, out)
         out.write("\n")
     else:
+        features = [args.strategy]
+        features += [f"qwz {args.qwz}"] if args.qwz else []
+        features += ["hpz"] if args.hpz else []
+        features += [f"qgz {args.qgz}"] if args.qgz else []
         print(
-            f"{args.model} ({cfg.num_parameters / 1e6:,.1f}M parameters), {args.strategy}"
-            f"{' + qwz ' + args.qwz if args.qwz else ''}{' + hpz' if args.hpz else ''}, world {args.world_size}, node {args.node_size}, "
-            f"rank {args.rank}; links {args.intra_gbps:g} Gbit/s intra, {args.inter_gbps:g} Gbit/s inter"
+            f"{args.model} ({cfg.num_parameters / 1e6:,.1f}M parameters), {' + '.join(features)}, "
+            f"world {args.world_size}, node {args.node_size}, rank {args.rank}; "
+            f"links {args.intra_gbps:g} Gbit/s intra, {args.inter_gbps:g} Gbit/s inter"
         )
         print(
             f"{'graph':9s} {'#':>3s} {'kind':15s} {'ranks':>5s} {'per peer':>12s} {'intra':>14s} {'inter':>14s} {'ms':>9s}"

@@ -1,0 +1,126 @@
+"""The `qgz` pass: quantized two-hop gradient reduction (ZeRO++ qgZ).
+
+Requires: the `zero` pass with qgZ on (every strategy then reduces gradients
+by a reduce-scatter of the gradient already divided by the world size, its wait
+tagged `GRAD_REDUCE`), and the topology's intra- and cross-node groups in the
+pass context. Runs on the backward graph after `bucket`, so that one bucket of
+many gradients becomes one all-to-all per hop.
+
+Rewrite, per such reduce-scatter of W*S elements (W = K nodes x D ranks per
+node, S = one rank's shard; a bucket is laid out rank-major, so it is one such
+tensor too):
+
+1. reorder: view as [K, D, S] and permute to [D, K, S], so that row d holds
+   what local rank d of every node must add up (DeepSpeed's
+   `reshape(K, D, -1).permute(1, 0, 2)`; the zero pass already padded to W*S,
+   so every size fits);
+2. quantize each row in blocks (`qgz_intra_node`, int8 by default),
+   intra-node all-to-all, dequantize and sum the D received rows in fp32:
+   row k is now the node's partial sum of shard k*D + d;
+3. requantize (`qgz`), cross-node all-to-all, dequantize and sum the K rows in
+   fp32: this rank's shard, summed over the world; since every gradient was
+   divided by W first, that is the true mean (DeepSpeed divides by K only);
+4. cast to the reduce-scatter's dtype.
+
+A group of one rank skips its hop (one node: the intra-node hop only).
+`Config(qgz_quantize=False)` keeps the two hops but sends the values as they
+are: a debug mode that checks the reorder and the mean against reduce-scatter.
+
+Numerics: changes results (opt-in); sums are in fp32 whatever the gradient
+dtype (DeepSpeed sums in fp16, reading bf16 as fp16).
+"""
+
+from __future__ import annotations
+
+import warnings
+from functools import partial
+
+import torch
+from torch import fx
+from zppc.kernels import qgz as qgz_kernels
+from zppc.passes.graph_utils import GraphBuilder
+from zppc.passes.zero import (
+    GRAD_REDUCE,
+    UNQUANTIZED_BYTES,
+    CollectiveMatch,
+    cast,
+    collective,
+    find_collectives,
+)
+from zppc.runtime.topology import group_size
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+BITS = {"int8": 8, "int4": 4}
+
+
+def find_grad_reduce_scatters(graph: fx.Graph) -> list[CollectiveMatch]:
+    return [
+        m
+        for m in find_collectives(graph)
+        if m.kind == "reduce_scatter" and m.wait.meta.get(GRAD_REDUCE)
+    ]
+
+
+def qgz_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    intra, cross = ctx.groups.intra_node, ctx.groups.cross_node
+    nodes, per_node = group_size(cross), group_size(intra)
+    matches = find_grad_reduce_scatters(gm.graph)
+    if nodes == 1 and matches:
+        warnings.warn(
+            "qgz on a single node: the gradient reduction is one quantized intra-node "
+            "all-to-all (there is no inter-node hop to save)",
+            stacklevel=2,
+        )
+    config = ctx.config
+    quantize = config.qgz_quantize
+    first = Hop(intra, config.qgz_intra_node if quantize else None, config)
+    second = Hop(cross, config.qgz if quantize else None, config)
+    for m in matches:
+        b = GraphBuilder(gm, m.issue)
+        shard = m.input.meta["val"].numel() // (nodes * per_node)
+        rows = b.inline(
+            partial(qgz_kernels.reorder_for_two_hops, nodes=nodes, per_node=per_node), m.input
+        )
+        node_sums = b.call(aten.view.default, first.run(b, rows), [nodes, shard])
+        total = second.run(b, node_sums)
+        m.replace_with(cast(b, total, m.dtype))
+    return gm
+
+
+class Hop:
+    """One all-to-all hop over `group_name`: row p of a [P, n] tensor goes to
+    group rank p, quantized in `fmt` (None: as it is), and the P rows received
+    come back summed in fp32, as [n]."""
+
+    def __init__(self, group_name: str, fmt: str | None, config):
+        self.group_name, self.fmt = group_name, fmt
+        self.quant = dict(block=config.qgz_block_size, bits=BITS[fmt]) if fmt else None
+
+    def run(self, b: GraphBuilder, rows: fx.Node) -> fx.Node:
+        peers, numel = rows.meta["val"].shape
+        if peers != group_size(self.group_name):
+            raise AssertionError(f"{peers} rows for a group of {group_size(self.group_name)}")
+        if peers == 1:
+            return b.call(aten.view.default, cast(b, rows, torch.float32), [numel])
+        if self.quant:
+            payload = b.inline(partial(qgz_kernels.quantize_rows, **self.quant), rows)
+        else:
+            payload = rows
+        splits = [payload.meta["val"].numel() // peers] * peers
+        received = collective(
+            b,
+            "all_to_all",
+            self.group_name,
+            c10d.all_to_all_single.default,
+            b.call(aten.view.default, payload, [-1]),
+            splits,
+            splits,
+            self.group_name,
+        )
+        received.meta[UNQUANTIZED_BYTES] = rows.meta["val"].numel() * rows.meta["val"].itemsize
+        if self.quant:
+            summed = partial(qgz_kernels.dequantize_sum, peers=peers, numel=numel, **self.quant)
+        else:
+            summed = partial(qgz_kernels.exact_sum, peers=peers)
+        return b.inline(summed, received)

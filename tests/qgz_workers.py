@@ -1,0 +1,47 @@
+"""Rank functions for tests/test_qgz.py: the gradients one compiled backward
+produces with and without qgZ, from the same weights and the same batch."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from models import MODELS
+
+import zppc
+
+
+def reduced_gradients(
+    rank, world, node_size, variants, dtype_name="float32", model="mlp", lowering="eager"
+):
+    """For each variant (a dict of Config fields): the flat gradient shards this
+    rank holds after one compiled forward and backward of the same batch, the
+    ledger of a second such step, its compiled schedule, and the warnings."""
+    dtype = getattr(torch, dtype_name)
+    out = {}
+    for name, fields in variants.items():
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        net = MODELS[model]().to(dtype)
+        zppc.distribute(net, zppc.Config(node_size=node_size, lowering=lowering, **fields))
+        step = torch.compile(net, backend="zppc")
+        x, y = net.batch(0)
+        x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+        x = x.to(dtype) if x.is_floating_point() else x
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step(x, y).backward()
+        state = net._zppc_state
+        grads = {fqn: state.shard(fqn).grad.detach().float().clone() for fqn in state.specs}
+        zppc.reset_comm_stats()
+        step(x, y).backward()
+        out[name] = {
+            "grads": grads,
+            "comm": zppc.comm_stats().as_dict(),
+            "schedule": [
+                (c.graph, c.kind, c.group_size, c.intra_node_bytes, c.inter_node_bytes)
+                for c in zppc.inspect(step).schedule
+            ],
+            "warnings": [str(w.message) for w in caught if "qgz" in str(w.message)],
+        }
+    return out
