@@ -22,6 +22,10 @@ tensor too):
    divided by W first, that is the true mean (DeepSpeed divides by K only);
 4. cast to the reduce-scatter's dtype.
 
+Each inter-node hop's wait, and all that uses its result, moves to the end of
+the backward: bucket i's inter-node hop is in flight while the backward goes on
+and bucket i+1 takes its intra-node hop (the two hops pipelined).
+
 A group of one rank skips its hop (one node: the intra-node hop only).
 `Config(qgz_quantize=False)` keeps the two hops but sends the values as they
 are: a debug mode that checks the reorder and the mean against reduce-scatter.
@@ -82,10 +86,32 @@ def qgz_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         rows = b.inline(
             partial(qgz_kernels.reorder_for_two_hops, nodes=nodes, per_node=per_node), m.input
         )
-        node_sums = b.call(aten.view.default, first.run(b, rows), [nodes, shard])
-        total = second.run(b, node_sums)
+        on_cuda = m.input.meta["val"].device.type == "cuda"
+        if on_cuda and first.quant and second.quant and nodes > 1 and per_node > 1:
+            total = fused_two_hops(b, rows, first, second)
+        else:
+            node_sums = b.call(aten.view.default, first.run(b, rows), [nodes, shard])
+            total = second.run(b, node_sums)
         m.replace_with(cast(b, total, m.dtype))
+    for wait in second.waits:
+        defer_until_output(wait)
     return gm
+
+
+def defer_until_output(wait: fx.Node) -> None:
+    """Move `wait` and everything computed from it to just before the graph's
+    output, in order. An inter-node hop then stays in flight while the rest of
+    the backward runs, including the next bucket's intra-node hop: the two hops
+    of consecutive buckets are pipelined."""
+    (output,) = wait.graph.find_nodes(op="output")
+    downstream, stack = {wait}, [wait]
+    while stack:
+        for user in stack.pop().users:
+            if user.op != "output" and user not in downstream:
+                downstream.add(user)
+                stack.append(user)
+    for node in [n for n in wait.graph.nodes if n in downstream]:
+        output.prepend(node)
 
 
 class Hop:
@@ -96,18 +122,28 @@ class Hop:
     def __init__(self, group_name: str, fmt: str | None, config):
         self.group_name, self.fmt = group_name, fmt
         self.quant = dict(block=config.qgz_block_size, bits=BITS[fmt]) if fmt else None
+        self.waits: list[fx.Node] = []
+
+    @property
+    def peers(self) -> int:
+        return group_size(self.group_name)
 
     def run(self, b: GraphBuilder, rows: fx.Node) -> fx.Node:
         peers, numel = rows.meta["val"].shape
-        if peers != group_size(self.group_name):
-            raise AssertionError(f"{peers} rows for a group of {group_size(self.group_name)}")
+        if peers != self.peers:
+            raise AssertionError(f"{peers} rows for a group of {self.peers}")
         if peers == 1:
             return b.call(aten.view.default, cast(b, rows, torch.float32), [numel])
         if self.quant:
             payload = b.inline(partial(qgz_kernels.quantize_rows, **self.quant), rows)
         else:
             payload = rows
-        splits = [payload.meta["val"].numel() // peers] * peers
+        unquantized = rows.meta["val"].numel() * rows.meta["val"].itemsize
+        return self.sum(b, self.send(b, payload, unquantized), numel)
+
+    def send(self, b: GraphBuilder, payload: fx.Node, unquantized_bytes: int) -> fx.Node:
+        """The all-to-all of `payload` rows, standing for `unquantized_bytes` of values."""
+        splits = [payload.meta["val"].numel() // self.peers] * self.peers
         received = collective(
             b,
             "all_to_all",
@@ -118,9 +154,34 @@ class Hop:
             splits,
             self.group_name,
         )
-        received.meta[UNQUANTIZED_BYTES] = rows.meta["val"].numel() * rows.meta["val"].itemsize
+        received.meta[UNQUANTIZED_BYTES] = unquantized_bytes
+        self.waits.append(received)
+        return received
+
+    def sum(self, b: GraphBuilder, received: fx.Node, numel: int) -> fx.Node:
         if self.quant:
-            summed = partial(qgz_kernels.dequantize_sum, peers=peers, numel=numel, **self.quant)
+            fn = partial(qgz_kernels.dequantize_sum, peers=self.peers, numel=numel, **self.quant)
         else:
-            summed = partial(qgz_kernels.exact_sum, peers=peers)
-        return b.inline(summed, received)
+            fn = partial(qgz_kernels.exact_sum, peers=self.peers)
+        return b.inline(fn, received)
+
+
+def fused_two_hops(b: GraphBuilder, rows: fx.Node, first: Hop, second: Hop) -> fx.Node:
+    """CUDA, both hops quantized: the step between the hops is one Triton kernel
+    (dequantize the intra-node payloads, sum in fp32, requantize per node)."""
+    per_node, numel = rows.meta["val"].shape
+    payload = b.inline(partial(qgz_kernels.quantize_rows, **first.quant), rows)
+    received = first.send(b, payload, rows.meta["val"].numel() * rows.meta["val"].itemsize)
+    payload = b.call(
+        torch.ops.zppc.dequantize_sum_requantize.default,
+        received,
+        per_node,
+        numel,
+        first.quant["block"],
+        first.quant["bits"],
+        second.peers,
+        second.quant["bits"],
+    )
+    # Unquantized, the inter-node hop would carry the fp32 node sums.
+    received = second.send(b, payload, numel * 4)
+    return second.sum(b, received, numel // second.peers)

@@ -45,3 +45,30 @@ def reduced_gradients(
             "warnings": [str(w.message) for w in caught if "qgz" in str(w.message)],
         }
     return out
+
+
+def hop_order(rank, world, node_size, bucket_bytes):
+    """The order in which the final backward graph issues and waits for qgZ's
+    hops: ("issue" | "wait", "intra" | "inter") per all-to-all."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = MODELS["gpt"]()
+    config = zppc.Config(
+        node_size=node_size, lowering="eager", qgz="int4", bucket_bytes=bucket_bytes
+    )
+    zppc.distribute(net, config)
+    step = torch.compile(net, backend="zppc")
+    x, y = net.batch(0)
+    step(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+    groups = net._zppc_state.groups
+    where = {groups.intra_node: "intra", groups.cross_node: "inter"}
+    a2a = torch.ops._c10d_functional.all_to_all_single.default
+    wait = torch.ops._c10d_functional.wait_tensor.default
+    events = []
+    for record in zppc.inspect(step).compiles:
+        for node in record.final["backward"].graph.nodes:
+            if node.target is a2a:
+                events.append(("issue", where[node.args[-1]]))
+            elif node.target is wait and node.args[0].target is a2a:
+                events.append(("wait", where[node.args[0].args[-1]]))
+    return events

@@ -88,7 +88,10 @@ STRATEGIES = {
     "zero1": dict(strategy="zero1", node_size=2),
     "zero2": dict(strategy="zero2", node_size=2),
     "zero3": dict(strategy="zero3", node_size=2),
-    "zeropp": dict(strategy="zero3", node_size=2, qwz="int8", qwz_block=64, hpz=True),
+    "zeropp": dict(strategy="zero3", node_size=2, qwz="int8", qwz_block=64, hpz=True, qgz="int8"),
+    # qgZ's two hops with quantization off: numerics-preserving, so compiled
+    # must equal eager to float noise (one node on 2 ranks, 2 x 2 on 4).
+    "qgz-exact": dict(strategy="zero3", node_size=2, qgz="int4", qgz_quantize=False),
 }
 
 ALL_MODELS = ("mlp", "padded", "even", "gpt", "frozen", "batchnorm")
@@ -106,7 +109,7 @@ ADAM_MODELS = tuple(m for m in ALL_MODELS if m != "batchnorm")
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_padded_mlp_with_momentum_under_both_lowerings(world):
-    strategies = [(s, STRATEGIES[s]) for s in ("ddp", "zero2", "zero3", "zeropp")]
+    strategies = [(s, STRATEGIES[s]) for s in ("ddp", "zero2", "zero3", "zeropp", "qgz-exact")]
     run_matrix(world, cases_for(strategies, ["padded"], ["sgd"], (1, 2)), timeout=1440)
 
 

@@ -1,10 +1,12 @@
-"""Loss curves of the small GPT trained with zero3, with and without qwZ.
+"""Loss curves of the small GPT trained with zero3 and with ZeRO++'s quantized
+collectives, side by side.
 
-    torchrun --nproc-per-node 4 benchmarks/qwz_accuracy.py --node-size 2 --steps 200
+    torchrun --nproc-per-node 4 benchmarks/accuracy.py --suite qwz --node-size 2
+    torchrun --nproc-per-node 4 benchmarks/accuracy.py --suite zeropp --node-size 2 --dtype bfloat16
 
-Every configuration trains from the same initial weights on the same batches
-(byte-level Python standard library source). Writes a markdown table to
-stdout, and `qwz_accuracy.json` and `qwz_accuracy.png` into --out.
+Every configuration of a suite trains from the same initial weights on the
+same batches (byte-level Python standard library source). Writes a markdown
+table to stdout, and `<suite>_accuracy[_<dtype>].json` / `.png` into --out.
 """
 
 from __future__ import annotations
@@ -22,15 +24,26 @@ import zppc
 from zppc.data import random_windows, stdlib_corpus
 from zppc.models import GPT, PRESETS
 
-CONFIGS = {"zero3": None, "zero3 + qwz int8": "int8", "zero3 + qwz int4": "int4"}
+SUITES = {
+    "qwz": {
+        "zero3": {},
+        "zero3 + qwz int8": {"qwz": "int8"},
+        "zero3 + qwz int4": {"qwz": "int4"},
+    },
+    "zeropp": {
+        "zero3": {},
+        "zero3 + qgz int4": {"qgz": "int4"},
+        "ZeRO++ (qwz int8 + hpz + qgz int4)": {"qwz": "int8", "hpz": True, "qgz": "int4"},
+    },
+}
 
 
-def train(qwz, args, data, rank, world) -> dict:
+def train(fields, args, data, rank, world) -> dict:
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = zppc.distribute(
-        GPT(PRESETS[args.preset]),
-        zppc.Config(qwz=qwz, node_size=args.node_size, lowering=args.lowering),
+        GPT(PRESETS[args.preset]).to(getattr(torch, args.dtype)),
+        zppc.Config(node_size=args.node_size, lowering=args.lowering, **fields),
     )
     step = torch.compile(model, backend="zppc")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
@@ -48,13 +61,14 @@ def train(qwz, args, data, rank, world) -> dict:
         dist.all_reduce(value)
         losses.append(value.item() / world)
         if rank == 0 and (i + 1) % 50 == 0:
-            print(f"  {qwz or 'none'} step {i + 1}: loss {losses[-1]:.4f}", flush=True)
+            print(f"  step {i + 1}: loss {losses[-1]:.4f}", flush=True)
     seconds = (time.perf_counter() - start) / max(1, args.steps - 1)
     stats = zppc.comm_stats()
     return {
-        "losses": losses,
+        "losses": [float(v) for v in losses],
         "step_seconds": seconds,
-        "all_gather_bytes": stats.by_kind.get("all_gather", 0),
+        "inter_node_bytes_per_step": stats.inter_node_bytes / args.steps,
+        "total_bytes_per_step": stats.total_bytes / args.steps,
     }
 
 
@@ -62,6 +76,8 @@ def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    p.add_argument("--suite", default="qwz", choices=sorted(SUITES))
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--preset", default="gpt-small", choices=sorted(PRESETS))
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch-size", type=int, default=4)
@@ -78,10 +94,10 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     data = stdlib_corpus(8 << 20)
     results = {}
-    for label, qwz in CONFIGS.items():
+    for label, fields in SUITES[args.suite].items():
         if rank == 0:
             print(f"{label}:", flush=True)
-        results[label] = train(qwz, args, data, rank, world)
+        results[label] = train(fields, args, data, rank, world)
     if rank == 0:
         report(results, args, world)
     dist.destroy_process_group()
@@ -95,19 +111,22 @@ def report(results: dict, args, world: int) -> None:
         return sum(r["losses"][-tail:]) / tail
 
     print(
-        f"\n{args.preset}, {args.steps} steps, {world} ranks; final = mean of the last {tail} steps\n"
+        f"\n{args.preset} in {args.dtype}, {args.steps} steps, {world} ranks, node size "
+        f"{args.node_size}; final = mean of the last {tail} steps; bytes are the ledger's, "
+        f"received by rank 0 per step (MB = 10^6 bytes)\n"
     )
-    print(
-        "| configuration | final loss | vs zero3 | all-gather bytes (rank 0) | vs zero3 | s/step |"
-    )
+    print("| configuration | final loss | vs zero3 | inter-node MB/step | vs zero3 | s/step |")
     print("|---|---:|---:|---:|---:|---:|")
     for label, r in results.items():
+        inter = r["inter_node_bytes_per_step"]
         print(
-            f"| {label} | {final(r):.4f} | {final(r) / final(base) - 1:+.2%} | {r['all_gather_bytes'] / 2**20:,.1f} MB "
-            f"| {r['all_gather_bytes'] / base['all_gather_bytes']:.3f} | {r['step_seconds']:.3f} |"
+            f"| {label} | {final(r):.4f} | {final(r) / final(base) - 1:+.2%} "
+            f"| {inter / 1e6:,.2f} | {inter / base['inter_node_bytes_per_step']:.3f} "
+            f"| {r['step_seconds']:.3f} |"
         )
+    name = f"{args.suite}_accuracy" + ("" if args.dtype == "float32" else f"_{args.dtype}")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "qwz_accuracy.json").write_text(
+    (args.out / f"{name}.json").write_text(
         json.dumps({"args": vars(args) | {"out": str(args.out)}, "results": results}, indent=1)
     )
     import matplotlib
@@ -120,11 +139,11 @@ def report(results: dict, args, world: int) -> None:
         ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=label, linewidth=1)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (mean over ranks)")
-    ax.set_title(f"{args.preset}: zero3 with and without qwZ ({world} ranks)")
+    ax.set_title(f"{args.preset} in {args.dtype}: {args.suite} ({world} ranks)")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(args.out / "qwz_accuracy.png", dpi=120)
-    print(f"\nwrote {args.out / 'qwz_accuracy.json'} and {args.out / 'qwz_accuracy.png'}")
+    fig.savefig(args.out / f"{name}.png", dpi=120)
+    print(f"\nwrote {args.out / name}.json and .png")
 
 
 if __name__ == "__main__":
