@@ -39,6 +39,12 @@ def quantize_rows(rows: Tensor, block: int, bits: int) -> Tensor:
     return quantize_pack_rows_reference(rows, block, bits)
 
 
+def dequantize_rows(payload: Tensor, peers: int, numel: int, block: int, bits: int) -> Tensor:
+    """[P, nbytes] payloads -> the [P, n] fp32 values their receivers will see."""
+    values = unpack_dequantize_reference(payload.view(-1), peers, numel, block, bits, torch.float32)
+    return values.view(peers, numel)
+
+
 def ordered_sum(values: Tensor) -> Tensor:
     """Sum of the rows of a [P, n] fp32 tensor, row 0 first."""
     total = values[0]
@@ -49,8 +55,7 @@ def ordered_sum(values: Tensor) -> Tensor:
 
 def dequantize_sum(received: Tensor, peers: int, numel: int, block: int, bits: int) -> Tensor:
     """`peers` payload rows of `numel` values each -> their fp32 sum, [numel]."""
-    values = unpack_dequantize_reference(received, peers, numel, block, bits, torch.float32)
-    return ordered_sum(values.view(peers, numel))
+    return ordered_sum(dequantize_rows(received, peers, numel, block, bits))
 
 
 def exact_sum(received: Tensor, peers: int) -> Tensor:

@@ -44,12 +44,17 @@ class PassRecord:
 @dataclass
 class PassContext:
     """What a pass may know: the config, which graph it is looking at, and the
-    model's process groups (None for a model compiled without `distribute`)."""
+    model's `DistributedState` (None for a model compiled without `distribute`)."""
 
     config: object
     graph_kind: str
     records: list[PassRecord] = field(default_factory=list)
-    groups: object = None
+    state: object = None
+
+    @property
+    def groups(self):
+        """The model's process groups, by name."""
+        return self.state.groups
 
 
 def build_passes(config) -> list[GraphPass]:

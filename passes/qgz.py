@@ -26,6 +26,10 @@ Each inter-node hop's wait, and all that uses its result, moves to the end of
 the backward: bucket i's inter-node hop is in flight while the backward goes on
 and bucket i+1 takes its intra-node hop (the two hops pipelined).
 
+With `qgz_error_feedback`, each hop adds the residual it left at the previous
+step (per bucket, in the model's store) before quantizing, and keeps the new
+one (`zppc.runtime.error_feedback`).
+
 A group of one rank skips its hop (one node: the intra-node hop only).
 `Config(qgz_quantize=False)` keeps the two hops but sends the values as they
 are: a debug mode that checks the reorder and the mean against reduce-scatter.
@@ -40,6 +44,7 @@ import warnings
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch import fx
 from zppc.kernels import qgz as qgz_kernels
 from zppc.passes.graph_utils import GraphBuilder
@@ -51,7 +56,8 @@ from zppc.passes.zero import (
     collective,
     find_collectives,
 )
-from zppc.runtime.topology import group_size
+from zppc.runtime import error_feedback
+from zppc.runtime.topology import Topology, default_node_size, group_size, setup_groups
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -67,7 +73,8 @@ def find_grad_reduce_scatters(graph: fx.Graph) -> list[CollectiveMatch]:
 
 
 def qgz_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
-    intra, cross = ctx.groups.intra_node, ctx.groups.cross_node
+    groups = model_groups(ctx)
+    intra, cross = groups.intra_node, groups.cross_node
     nodes, per_node = group_size(cross), group_size(intra)
     matches = find_grad_reduce_scatters(gm.graph)
     if nodes == 1 and matches:
@@ -80,14 +87,20 @@ def qgz_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     quantize = config.qgz_quantize
     first = Hop(intra, config.qgz_intra_node if quantize else None, config)
     second = Hop(cross, config.qgz if quantize else None, config)
-    for m in matches:
+    store = residual_store(ctx) if config.qgz_error_feedback else None
+    for i, m in enumerate(matches):
         b = GraphBuilder(gm, m.issue)
+        if store is not None:
+            # Keys: this compile of the model, the bucket, the hop (the same on every rank).
+            first.feedback = (store, f"g{compile_index(ctx)}_b{i}_intra")
+            second.feedback = (store, f"g{compile_index(ctx)}_b{i}_inter")
         shard = m.input.meta["val"].numel() // (nodes * per_node)
         rows = b.inline(
             partial(qgz_kernels.reorder_for_two_hops, nodes=nodes, per_node=per_node), m.input
         )
         on_cuda = m.input.meta["val"].device.type == "cuda"
-        if on_cuda and first.quant and second.quant and nodes > 1 and per_node > 1:
+        fusable = first.quant and second.quant and store is None and nodes > 1 and per_node > 1
+        if on_cuda and fusable:
             total = fused_two_hops(b, rows, first, second)
         else:
             node_sums = b.call(aten.view.default, first.run(b, rows), [nodes, shard])
@@ -96,6 +109,29 @@ def qgz_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     for wait in second.waits:
         defer_until_output(wait)
     return gm
+
+
+def model_groups(ctx):
+    """The process groups of the model being compiled (an undistributed model
+    that fell back to ddp: those of its Config's topology, already set up)."""
+    if ctx.state is not None:
+        return ctx.state.groups
+    world = dist.get_world_size()
+    return setup_groups(Topology(world, ctx.config.node_size or default_node_size(world)))
+
+
+_UNOWNED_RESIDUALS: dict = {}
+
+
+def residual_store(ctx) -> int:
+    """The id of the error-feedback store of the model being compiled."""
+    store = ctx.state.qgz_residuals if ctx.state is not None else _UNOWNED_RESIDUALS
+    return error_feedback.register_store(store)
+
+
+def compile_index(ctx) -> int:
+    """Which of its model's compiles this graph belongs to (deterministic order)."""
+    return len(ctx.state.compiles) - 1 if ctx.state is not None else 0
 
 
 def defer_until_output(wait: fx.Node) -> None:
@@ -123,6 +159,8 @@ class Hop:
         self.group_name, self.fmt = group_name, fmt
         self.quant = dict(block=config.qgz_block_size, bits=BITS[fmt]) if fmt else None
         self.waits: list[fx.Node] = []
+        self.feedback: tuple[int, str] | None = None
+        """(store id, key) of this hop's error-feedback residual, per bucket."""
 
     @property
     def peers(self) -> int:
@@ -135,11 +173,28 @@ class Hop:
         if peers == 1:
             return b.call(aten.view.default, cast(b, rows, torch.float32), [numel])
         if self.quant:
-            payload = b.inline(partial(qgz_kernels.quantize_rows, **self.quant), rows)
+            payload = self.quantize(b, rows)
         else:
             payload = rows
         unquantized = rows.meta["val"].numel() * rows.meta["val"].itemsize
         return self.sum(b, self.send(b, payload, unquantized), numel)
+
+    def quantize(self, b: GraphBuilder, rows: fx.Node) -> fx.Node:
+        """Payload rows; with error feedback, of the rows plus last step's
+        residual, keeping what this step's quantization loses."""
+        if self.feedback is None:
+            return b.inline(partial(qgz_kernels.quantize_rows, **self.quant), rows)
+        peers, numel = rows.meta["val"].shape
+        zppc_ops = torch.ops.zppc
+        values = b.call(
+            zppc_ops.qgz_compensate.default, cast(b, rows, torch.float32), *self.feedback
+        )
+        payload = b.inline(partial(qgz_kernels.quantize_rows, **self.quant), values)
+        sent = b.inline(
+            partial(qgz_kernels.dequantize_rows, peers=peers, numel=numel, **self.quant), payload
+        )
+        b.call(zppc_ops.qgz_remember.default, values, sent, *self.feedback)
+        return payload
 
     def send(self, b: GraphBuilder, payload: fx.Node, unquantized_bytes: int) -> fx.Node:
         """The all-to-all of `payload` rows, standing for `unquantized_bytes` of values."""

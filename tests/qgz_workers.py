@@ -72,3 +72,61 @@ def hop_order(rank, world, node_size, bucket_bytes):
             elif node.target is wait and node.args[0].target is a2a:
                 events.append(("wait", where[node.args[0].args[-1]]))
     return events
+
+
+def accumulated_gradients(rank, world, node_size, variants, steps):
+    """For each variant: the flat gradient shards after `steps` backward passes
+    on different batches, accumulated without zero_grad (what the optimizer
+    would see after that many micro-steps), with the weights held fixed."""
+    out = {}
+    for name, fields in variants.items():
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        net = MODELS["gpt"]()
+        zppc.distribute(net, zppc.Config(node_size=node_size, lowering="eager", **fields))
+        step = torch.compile(net, backend="zppc")
+        for i in range(steps):
+            x, y = net.batch(i)
+            step(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+        state = net._zppc_state
+        out[name] = {
+            "grads": {fqn: state.shard(fqn).grad.detach().clone() for fqn in state.specs},
+            "residuals": sorted(state.qgz_residuals),
+        }
+    return out
+
+
+def error_feedback_resume(rank, world, path):
+    """Train 3 steps with qgZ error feedback, save, train 2 more; then a fresh
+    model loads the checkpoint and trains the same 2 steps, with and without
+    the residuals it saved."""
+    config = zppc.Config(node_size=2, lowering="eager", qgz="int4", qgz_error_feedback=True)
+
+    def fresh():
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        net = zppc.distribute(MODELS["gpt"](), config)
+        return net, torch.compile(net, backend="zppc"), torch.optim.SGD(net.parameters(), lr=0.1)
+
+    def train(net, step, opt, batches):
+        for i in batches:
+            x, y = net.batch(i)
+            step(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+            opt.step()
+            opt.zero_grad()
+        return {k: v.full_tensor() for k, v in net.state_dict().items()}
+
+    net, step, opt = fresh()
+    train(net, step, opt, range(3))
+    zppc.save(net, opt, path)
+    saved = sorted(net._zppc_state.qgz_residuals)
+    reference = train(net, step, opt, range(3, 5))
+    gaps = {}
+    for keep in (True, False):
+        net, step, opt = fresh()
+        zppc.load(net, opt, path)
+        if not keep:
+            net._zppc_state.qgz_residuals.clear()
+        resumed = train(net, step, opt, range(3, 5))
+        gaps[keep] = max((resumed[k] - reference[k]).abs().max().item() for k in reference)
+    return {"saved": saved, "gap_with_residuals": gaps[True], "gap_without": gaps[False]}

@@ -10,7 +10,12 @@ import math
 
 import pytest
 import torch
-from qgz_workers import hop_order, reduced_gradients
+from qgz_workers import (
+    accumulated_gradients,
+    error_feedback_resume,
+    hop_order,
+    reduced_gradients,
+)
 from spawn import run_ranks
 from zppc.kernels import qgz as qgz_kernels
 from zppc.kernels.qgz import dequantize_sum, exact_sum, quantize_rows, reorder_for_two_hops
@@ -119,12 +124,11 @@ def test_unquantized_two_hops_equal_reduce_scatter(exact_two_by_two, strategy):
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(900)
-def test_unquantized_two_hops_in_bf16():
-    results = run_ranks(
-        reduced_gradients, 4, 2, {"plain": {}, "qgz": EXACT}, "bfloat16", timeout=840
-    )
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_unquantized_two_hops_in_half_precision(dtype):
+    results = run_ranks(reduced_gradients, 4, 2, {"plain": {}, "qgz": EXACT}, dtype, timeout=840)
     gap, snr = max_gap(results, "plain", "qgz"), snr_db(results, "plain", "qgz")
-    print(f"bf16: largest gap {gap:.2e}, {snr:.1f} dB (plain sums in bf16, qgZ in fp32)")
+    print(f"{dtype}: largest gap {gap:.2e}, {snr:.1f} dB (plain sums in {dtype}, qgZ in fp32)")
     assert snr >= 45
 
 
@@ -173,6 +177,37 @@ def test_gradient_signal_to_noise_on_the_small_gpt():
     int4, int8 = snr_db(results, "plain", "int4"), snr_db(results, "plain", "int8")
     print(f"qgZ gradient SNR against reduce-scatter: int4 {int4:.1f} dB, int8 {int8:.1f} dB")
     assert int4 >= 18 and int8 >= 38
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(900)
+def test_error_feedback_keeps_errors_from_accumulating():
+    variants = {
+        "exact": {},
+        "int4": dict(qgz="int4"),
+        "int4+feedback": dict(qgz="int4", qgz_error_feedback=True),
+    }
+    results = run_ranks(accumulated_gradients, 4, 2, variants, 10, timeout=840)
+    plain, feedback = snr_db(results, "exact", "int4"), snr_db(results, "exact", "int4+feedback")
+    print(
+        f"10 accumulated steps, int4 qgZ against exact: {plain:.1f} dB without error "
+        f"feedback, {feedback:.1f} dB with it ({feedback - plain:+.1f} dB)"
+    )
+    assert feedback >= plain + 6
+    # One residual per bucket and hop, the same keys on every rank.
+    keys = results[0]["int4+feedback"]["residuals"]
+    assert keys and all(r["int4+feedback"]["residuals"] == keys for r in results)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(900)
+def test_error_feedback_residuals_are_checkpointed(tmp_path):
+    for r in run_ranks(error_feedback_resume, 4, str(tmp_path / "ckpt"), timeout=840):
+        assert r["saved"]
+        # Resumed with its residuals, training continues exactly; without them
+        # it does not (so the comparison can fail).
+        assert r["gap_with_residuals"] == 0.0
+        assert r["gap_without"] > 0.0
 
 
 @pytest.mark.multiproc

@@ -99,14 +99,13 @@ def _only_live_state() -> DistributedState | None:
 def compile_distributed(gm, example_inputs, config: Config, state: DistributedState | None):
     record = CompileRecord(config=config)
     register_compile(record, state)
-    groups = state.groups if state is not None else None
-    gm = run_passes(gm, PassContext(config, "dynamo", record.passes["dynamo"], groups))
+    gm = run_passes(gm, PassContext(config, "dynamo", record.passes["dynamo"], state))
     hpz_group = state.groups.intra_node if config.hpz else None
 
     def passes_then(lower):
         def compiler(graph: fx.GraphModule, inputs, **kw):
             kind = "backward" if kw.get("is_backward") else "forward"
-            graph = run_passes(graph, PassContext(config, kind, record.passes[kind], groups))
+            graph = run_passes(graph, PassContext(config, kind, record.passes[kind], state))
             record.final[kind] = graph
             return lower(graph, inputs, **kw)
 

@@ -72,6 +72,13 @@ class Config:
     quantization (small GPT gradients, int4 blocks of 128: 17.0 dB with an int8
     first hop, 14.8 dB with two int4 hops; Gaussian ones: 18.5 and 15.6 dB)."""
 
+    qgz_error_feedback: bool = False
+    """Keep each qgZ hop's quantization error on this rank and add it to that
+    hop's values at the next step before quantizing (error feedback, as in
+    DeepSpeed's LoCo): errors stop accumulating over steps. Costs one fp32
+    copy of the values each hop quantizes (the first hop's is a full gradient);
+    the residuals are part of `zppc.save` checkpoints."""
+
     qgz_quantize: bool = True
     """Debug switch: False keeps qgZ's reorder, two all-to-all hops and fp32
     sums but sends the gradients unquantized, so the result must equal plain
@@ -130,7 +137,7 @@ class Config:
                 raise ValueError(
                     f"{name}_block must be even for int4 (two values per byte), got {block}"
                 )
-        for name in ("hpz", "qgz_quantize"):
+        for name in ("hpz", "qgz_quantize", "qgz_error_feedback"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.node_size is not None and (
@@ -176,6 +183,11 @@ class Config:
             )
         if self.hpz and self.strategy != "zero3":
             raise ValueError(f"hpz needs strategy='zero3', got strategy={self.strategy!r}")
+        if self.qgz_error_feedback and (self.qgz is None or not self.qgz_quantize):
+            raise ValueError(
+                "qgz_error_feedback needs qgz set and quantizing (qgz_quantize=True), "
+                f"got qgz={self.qgz!r}, qgz_quantize={self.qgz_quantize}"
+            )
         if self.strategy == "rtp" and (self.qwz or self.hpz or self.qgz):
             raise ValueError("strategy='rtp' does not combine with qwz, hpz or qgz")
 

@@ -141,6 +141,9 @@ class DistributedState:
     take as inputs and the IR gathers."""
     compiles: list = field(default_factory=list)
     """`CompileRecord`s of every graph compiled from this model (for `zppc.inspect`)."""
+    qgz_residuals: dict[str, Tensor] = field(default_factory=dict)
+    """qgZ error feedback: this rank's quantization error per compile, bucket and
+    hop, added before the next step's quantization (saved by `zppc.save`)."""
 
     @property
     def node_mesh(self) -> DeviceMesh | None:
