@@ -36,6 +36,9 @@ def parse_args() -> argparse.Namespace:
         "--qwz", default="int8", choices=["int8", "int4", "none"], help="quantized weight gathers"
     )
     p.add_argument(
+        "--qgz", default="int4", choices=["int8", "int4", "none"], help="quantized gradient hops"
+    )
+    p.add_argument(
         "--hpz",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -62,8 +65,14 @@ def main() -> None:
     n_params = sum(p.numel() for p in model.parameters())
     qwz = None if args.qwz == "none" or args.strategy == "ddp" else args.qwz
     hpz = args.hpz and args.strategy == "zero3"
+    qgz = None if args.qgz == "none" else args.qgz
     config = zppc.Config(
-        strategy=args.strategy, qwz=qwz, hpz=hpz, node_size=args.node_size, lowering=args.lowering
+        strategy=args.strategy,
+        qwz=qwz,
+        hpz=hpz,
+        qgz=qgz,
+        node_size=args.node_size,
+        lowering=args.lowering,
     )
     zppc.distribute(model, config)
     # The parameters are DTensors of their original shapes: nanoGPT's rule of
@@ -81,7 +90,8 @@ def main() -> None:
     train = random_windows(data[:split], args.batch_size, block, seed=1000 + rank)
     if rank == 0:
         print(
-            f"zppc {args.strategy}{' + qwz ' + qwz if qwz else ''}{' + hpz' if hpz else ''} on {world} ranks ({args.lowering}): GPT {args.preset} "
+            f"zppc {args.strategy}{' + qwz ' + qwz if qwz else ''}{' + hpz' if hpz else ''}"
+            f"{' + qgz ' + qgz if qgz else ''} on {world} ranks ({args.lowering}): GPT {args.preset} "
             f"{n_params / 1e6:.2f}M parameters, corpus {data.numel() / 2**20:.1f} MiB of stdlib source"
         )
     bar = tqdm(range(args.steps), disable=rank != 0, unit="step", dynamic_ncols=True)
@@ -138,7 +148,7 @@ def main() -> None:
         )
         if would > moved:
             print(
-                f"qwZ {qwz} saved {(would - moved) * args.steps / 2**20:,.1f} MiB on rank 0 over {args.steps} steps: "
+                f"quantization saved {(would - moved) * args.steps / 2**20:,.1f} MiB on rank 0 over {args.steps} steps: "
                 f"{moved / 2**20:.2f} MiB/step instead of {would / 2**20:.2f} MiB/step ({1 - moved / would:.0%} less)"
             )
         full_ddp = 2 * (world - 1) / world * n_params * 4 * args.steps
