@@ -34,6 +34,12 @@ SUITES = {
         "zero3": {},
         "zero3 + qgz int4": {"qgz": "int4"},
         "ZeRO++ (qwz int8 + hpz + qgz int4)": {"qwz": "int8", "hpz": True, "qgz": "int4"},
+        "ZeRO++ + qgz error feedback": {
+            "qwz": "int8",
+            "hpz": True,
+            "qgz": "int4",
+            "qgz_error_feedback": True,
+        },
     },
 }
 

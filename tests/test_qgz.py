@@ -124,7 +124,7 @@ def test_unquantized_two_hops_equal_reduce_scatter(exact_two_by_two, strategy):
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float16", marks=pytest.mark.slow)])
 def test_unquantized_two_hops_in_half_precision(dtype):
     results = run_ranks(reduced_gradients, 4, 2, {"plain": {}, "qgz": EXACT}, dtype, timeout=840)
     gap, snr = max_gap(results, "plain", "qgz"), snr_db(results, "plain", "qgz")
@@ -133,6 +133,7 @@ def test_unquantized_two_hops_in_half_precision(dtype):
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_one_node_is_one_hop_with_a_warning():
     results = run_ranks(reduced_gradients, 4, 4, {"plain": {}, "qgz": EXACT}, timeout=840)
@@ -200,6 +201,7 @@ def test_error_feedback_keeps_errors_from_accumulating():
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_error_feedback_residuals_are_checkpointed(tmp_path):
     for r in run_ranks(error_feedback_resume, 4, str(tmp_path / "ckpt"), timeout=840):
@@ -232,8 +234,10 @@ def test_zeropp_cuts_inter_node_bytes_fourfold():
         assert [row[4] > 0 for row in hops] == [False, True]  # ...the inter-node hop
 
 
+# The default tier runs qgZ under Inductor in tests/test_differential.py.
 @pytest.mark.multiproc
 @pytest.mark.inductor
+@pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_inductor_two_hops_equal_reduce_scatter():
     variants = {"plain": {}, "qgz": EXACT, "int4": dict(qgz="int4")}
