@@ -26,6 +26,7 @@ from zppc.kernels.quant import (
 if HAS_TRITON:
     import triton
     import triton.language as tl
+    from zppc.kernels.quant import load_quantized, round_clamp
 
 
 def reorder_for_two_hops(flat: Tensor, nodes: int, per_node: int) -> Tensor:
@@ -88,22 +89,9 @@ if HAS_TRITON:
             scale = tl.load(
                 row.to(tl.pointer_type(tl.float32), bitcast=True) + e // BLOCK, mask=mask, other=0.0
             )
-            values = row + 4 * nblocks
-            if INT4:
-                byte = tl.load(values + e // 2, mask=mask, other=0).to(tl.int32)
-                nibble = (byte >> (4 * (e % 2))) & 0xF
-                q = tl.where(nibble >= 8, nibble - 16, nibble)
-            else:
-                q = tl.load(
-                    values.to(tl.pointer_type(tl.int8), bitcast=True) + e, mask=mask, other=0
-                ).to(tl.int32)
+            q = load_quantized(row + 4 * nblocks, e, mask, INT4)
             acc += q.to(tl.float32) * scale
         return acc
-
-    @triton.jit
-    def _round_clamp(v, QMAX_: tl.constexpr):
-        q = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(-v + 0.5))
-        return tl.minimum(tl.maximum(q, -QMAX_), QMAX_).to(tl.int32)
 
     @triton.jit
     def _dequantize_sum_requantize_kernel(
@@ -138,8 +126,8 @@ if HAS_TRITON:
             hi = _sum_received(payload_ptr, peers, row_bytes, nblocks, e + 1, hi_mask, BLOCK, INT4)
             amax = tl.maximum(tl.max(tl.abs(lo), axis=0), tl.max(tl.abs(hi), axis=0))
             inv = tl.where(amax > 0, tl.math.div_rn(OUT_QMAX * 1.0, amax), 0.0)
-            byte = (_round_clamp(lo * inv, OUT_QMAX) & 0xF) | (
-                (_round_clamp(hi * inv, OUT_QMAX) & 0xF) << 4
+            byte = (round_clamp(lo * inv, OUT_QMAX) & 0xF) | (
+                (round_clamp(hi * inv, OUT_QMAX) & 0xF) << 4
             )
             tl.store(out_values + b * (BLOCK // 2) + half, byte.to(tl.uint8), mask=lo_mask)
         else:
@@ -150,7 +138,7 @@ if HAS_TRITON:
             acc = _sum_received(payload_ptr, peers, row_bytes, nblocks, e, mask, BLOCK, INT4)
             amax = tl.max(tl.abs(acc), axis=0)
             inv = tl.where(amax > 0, tl.math.div_rn(OUT_QMAX * 1.0, amax), 0.0)
-            q = _round_clamp(acc * inv, OUT_QMAX)
+            q = round_clamp(acc * inv, OUT_QMAX)
             tl.store(
                 out_values.to(tl.pointer_type(tl.int8), bitcast=True) + idx,
                 q.to(tl.int8),

@@ -133,6 +133,26 @@ def unpack_dequantize_reference(
 if HAS_TRITON:
 
     @triton.jit
+    def round_clamp(v, QMAX_: tl.constexpr):
+        """Round to nearest, ties away from zero, into [-QMAX_, QMAX_] (int32)."""
+        q = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(-v + 0.5))
+        return tl.minimum(tl.maximum(q, -QMAX_), QMAX_).to(tl.int32)
+
+    @triton.jit
+    def load_quantized(values, idx, mask, INT4: tl.constexpr):
+        """The quantized integers at `idx` of a payload's value bytes (int8, or
+        int4 packed two per byte, low nibble first), as int32."""
+        if INT4:
+            byte = tl.load(values + idx // 2, mask=mask, other=0).to(tl.int32)
+            nibble = (byte >> (4 * (idx % 2))) & 0xF
+            q = tl.where(nibble >= 8, nibble - 16, nibble)
+        else:
+            q = tl.load(
+                values.to(tl.pointer_type(tl.int8), bitcast=True) + idx, mask=mask, other=0
+            ).to(tl.int32)
+        return q
+
+    @triton.jit
     def _quantize_pack_kernel(
         x_ptr,
         scale_ptr,
@@ -164,20 +184,14 @@ if HAS_TRITON:
                 )
                 * inv
             )
-            qlo = tl.where(lo >= 0, tl.floor(lo + 0.5), -tl.floor(-lo + 0.5))
-            qhi = tl.where(hi >= 0, tl.floor(hi + 0.5), -tl.floor(-hi + 0.5))
-            qlo = tl.minimum(tl.maximum(qlo, -QMAX_), QMAX_).to(tl.int32)
-            qhi = tl.minimum(tl.maximum(qhi, -QMAX_), QMAX_).to(tl.int32)
-            byte = (qlo & 0xF) | ((qhi & 0xF) << 4)
+            byte = (round_clamp(lo, QMAX_) & 0xF) | ((round_clamp(hi, QMAX_) & 0xF) << 4)
             tl.store(
                 value_ptr + b * (BLOCK // 2) + half,
                 byte.to(tl.uint8),
                 mask=pair_mask & (even < numel),
             )
         else:
-            v = x * inv
-            q = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(-v + 0.5))
-            q = tl.minimum(tl.maximum(q, -QMAX_), QMAX_)
+            q = round_clamp(x * inv, QMAX_)
             tl.store(value_ptr + idx, q.to(tl.int8), mask=(offs < BLOCK) & (idx < numel))
 
     @triton.jit
@@ -200,15 +214,7 @@ if HAS_TRITON:
         offs = tl.arange(0, BLOCK_POW2)
         idx = b * BLOCK + offs
         mask = (offs < BLOCK) & (idx < numel)
-        if INT4:
-            byte = tl.load(values + idx // 2, mask=mask, other=0).to(tl.int32)
-            nibble = (byte >> (4 * (idx % 2))) & 0xF
-            q = tl.where(nibble >= 8, nibble - 16, nibble)
-        else:
-            q = tl.load(
-                values.to(tl.pointer_type(tl.int8), bitcast=True) + idx, mask=mask, other=0
-            ).to(tl.int32)
-        out = q.to(tl.float32) * scale
+        out = load_quantized(values, idx, mask, INT4).to(tl.float32) * scale
         if OUT_BF16:
             # Round to nearest even by hand: the interpreter truncates fp32 -> bf16,
             # and after this the conversion is exact on every backend.
