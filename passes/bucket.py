@@ -39,6 +39,7 @@ from zppc.passes.zero import (
     CollectiveMatch,
     collective,
     flatten_padded,
+    reduce_scatter,
 )
 from zppc.passes.zero import find_collectives as find_lowered
 from zppc.runtime.topology import group_size
@@ -171,9 +172,7 @@ def _reduce_bucket(gm: fx.GraphModule, bucket: list[CollectiveMatch]) -> None:
             for m, n in zip(bucket, sizes, strict=True)
         ]
         flat = b.call(aten.view.default, b.call(aten.cat.default, rows, 1), [-1])
-        reduced = collective(
-            b, kind, group_name, c10d.reduce_scatter_tensor.default, flat, "sum", world, group_name
-        )
+        reduced = reduce_scatter(b, flat, group_name, world)
         sizes = [n // world for n in sizes]
         if all(m.wait.meta.get(GRAD_REDUCE) for m in bucket):
             reduced.meta[GRAD_REDUCE] = True

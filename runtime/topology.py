@@ -123,10 +123,15 @@ def setup_groups(topology: Topology, mesh: DeviceMesh | None = None) -> Groups:
     return groups
 
 
+def device_type() -> str:
+    """The device type of the default process group's tensors (meshes need it)."""
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
 def _node_mesh(topology: Topology) -> DeviceMesh:
     """The (node, local) mesh of an even topology, as `init_device_mesh` would lay it out."""
     return DeviceMesh(
-        "cuda" if dist.get_backend() == "nccl" else "cpu",
+        device_type(),
         torch.arange(topology.world_size).view(topology.num_nodes, topology.node_size),
         mesh_dim_names=("node", "local"),
     )

@@ -34,7 +34,13 @@ from torch.utils._pytree import tree_map_only
 
 import zppc.ir  # noqa: F401  (registers zppc::unshard / zppc::reduce_grad)
 from zppc.config import Config
-from zppc.runtime.topology import Groups, Topology, default_node_size, setup_groups
+from zppc.runtime.topology import (
+    Groups,
+    Topology,
+    default_node_size,
+    device_type,
+    setup_groups,
+)
 
 
 @dataclass(frozen=True)
@@ -215,7 +221,7 @@ def distribute(model: nn.Module, config: Config | None = None) -> nn.Module:
 
     topology = Topology(world_size=world, node_size=node_size)
     groups = setup_groups(topology, config.mesh)
-    mesh = DeviceMesh.from_group(dist.group.WORLD, _device_type())
+    mesh = DeviceMesh.from_group(dist.group.WORLD, device_type())
 
     state = DistributedState(config=config, topology=topology, groups=groups, mesh=mesh)
     by_param: dict[int, str] = {}
@@ -356,10 +362,6 @@ def _node_size(config: Config, world: int) -> int:
             f"Config.node_size={config.node_size} disagrees with Config.mesh ({node_size} ranks per node)"
         )
     return node_size
-
-
-def _device_type() -> str:
-    return "cuda" if dist.get_backend() == "nccl" else "cpu"
 
 
 # How many forwards of distributed modules are running (eager execution): while
