@@ -17,7 +17,7 @@ from torch import fx
 
 # Every pass zppc knows, in pipeline order. Config.disable_passes is checked
 # against this tuple, so it must not import anything heavy.
-PASS_NAMES = ("dedupe_unshard", "zero", "qwz", "bucket", "qgz")
+PASS_NAMES = ("dedupe_unshard", "zero", "qwz", "bucket", "qgz", "sync_buffers")
 
 log = logging.getLogger("zppc.passes")
 
@@ -50,6 +50,9 @@ class PassContext:
     graph_kind: str
     records: list[PassRecord] = field(default_factory=list)
     state: object = None
+    buffer_inputs: tuple[int, ...] = ()
+    """Positions of the model's buffers among the graph's inputs (dynamo's
+    order, which aot_autograd's forward keeps)."""
 
     @property
     def groups(self):
@@ -63,6 +66,7 @@ def build_passes(config) -> list[GraphPass]:
     from zppc.passes.dedupe import dedupe_unshard_pass
     from zppc.passes.qgz import qgz_pass
     from zppc.passes.qwz import qwz_pass
+    from zppc.passes.sync_buffers import sync_buffers_pass
     from zppc.passes.zero import zero_pass
 
     passes = [
@@ -74,6 +78,8 @@ def build_passes(config) -> list[GraphPass]:
     passes.append(GraphPass("bucket", bucket_pass, ("forward", "backward")))
     if config.qgz is not None:
         passes.append(GraphPass("qgz", qgz_pass, ("backward",)))
+    if config.buffer_sync is not None:
+        passes.append(GraphPass("sync_buffers", sync_buffers_pass, ("forward",)))
     return [p for p in passes if p.name not in config.disable_passes]
 
 
@@ -86,7 +92,15 @@ def lint(gm: fx.GraphModule, graph_kind: str) -> None:
         # Higher-order ops (activation checkpointing's rng state) come from
         # aot_autograd without fake values; every op node must have one.
         is_hop = isinstance(node.target, torch._ops.HigherOrderOperator)
-        if node.op in ("call_function", "placeholder") and not is_hop and "val" not in node.meta:
+        # Ops that return nothing (zppc::defer_grad) get no fake value from aot_autograd.
+        returns_nothing = (
+            isinstance(node.target, torch._ops.OpOverload) and not node.target._schema.returns
+        )
+        if (
+            node.op in ("call_function", "placeholder")
+            and not (is_hop or returns_nothing)
+            and "val" not in node.meta
+        ):
             raise AssertionError(
                 f"node {node.name} ({node.target}) has no meta['val'] after a pass"
             )

@@ -117,7 +117,8 @@ def model_groups(ctx):
     if ctx.state is not None:
         return ctx.state.groups
     world = dist.get_world_size()
-    return setup_groups(Topology(world, ctx.config.node_size or default_node_size(world)))
+    topology = Topology(world, ctx.config.node_size or default_node_size(world))
+    return setup_groups(topology, timeout_s=ctx.config.timeout_s)
 
 
 _UNOWNED_RESIDUALS: dict = {}

@@ -81,6 +81,7 @@ COLLECTIVE_KINDS = {
     c10d.reduce_scatter_tensor.default: "reduce_scatter",
     c10d.all_reduce.default: "all_reduce",
     c10d.all_to_all_single.default: "all_to_all",
+    c10d.broadcast.default: "broadcast",
 }
 
 

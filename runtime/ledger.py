@@ -8,7 +8,8 @@ collective we count the logical bytes this rank receives from each other rank:
 - reduce-scatter: each peer's contribution to my shard;
 - all-to-all: each peer's chunk;
 - all-reduce: a reduce-scatter plus an all-gather (2 chunks of size/world per peer);
-- send/recv: the tensor.
+- send/recv: the tensor;
+- broadcast: the tensor, from the group's first rank (which receives nothing).
 
 A peer on my node adds to `intra_node_bytes`, any other to `inter_node_bytes`.
 """
@@ -79,14 +80,28 @@ def _peer_split(epoch: int, group_name: str, my_rank: int, node_size: int) -> tu
     return intra, len(peers) - intra
 
 
-def record(kind: str, group_name: str, bytes_per_peer: int) -> None:
-    """Count a collective in which every other rank of the group sent me `bytes_per_peer`."""
+def received(kind: str, group_name: str, rank: int, bytes_per_peer: int) -> tuple[int, int]:
+    """(intra-node, inter-node) bytes `rank` receives in one collective of `kind`
+    in which each sending peer sends `bytes_per_peer`."""
     import torch.distributed as dist
 
-    me = dist.get_rank()
     node_size = node_size_of(group_name) or dist.get_world_size()
-    intra_peers, inter_peers = peer_split(group_name, me, node_size)
-    intra, inter = intra_peers * bytes_per_peer, inter_peers * bytes_per_peer
+    if kind == "broadcast":
+        root = group_ranks(group_name)[0]
+        if rank == root:
+            return 0, 0
+        same_node = root // node_size == rank // node_size
+        return (bytes_per_peer, 0) if same_node else (0, bytes_per_peer)
+    intra_peers, inter_peers = peer_split(group_name, rank, node_size)
+    return intra_peers * bytes_per_peer, inter_peers * bytes_per_peer
+
+
+def record(kind: str, group_name: str, bytes_per_peer: int) -> None:
+    """Count a collective in which each sending peer of the group sent me
+    `bytes_per_peer` (every other rank; for a broadcast, its root)."""
+    import torch.distributed as dist
+
+    intra, inter = received(kind, group_name, dist.get_rank(), bytes_per_peer)
     with _LOCK:
         _STATS.intra_node_bytes += intra
         _STATS.inter_node_bytes += inter

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -77,7 +78,7 @@ class Groups:
 # Keyed by the default process group too: tests (and the CLI) create and destroy
 # several worlds in one process. The value keeps the groups alive so their
 # names stay unique while cached.
-_GROUPS: dict[tuple[int, int, int], tuple[list[dist.ProcessGroup], Groups]] = {}
+_GROUPS: dict[tuple, tuple[list[dist.ProcessGroup], Groups]] = {}
 # (world epoch, group name) -> ranks per node of the topology that group serves.
 # A group serves one topology only, so the ledger and the schedule split a
 # collective's bytes by its own model's nodes, even with two models in a process.
@@ -94,18 +95,20 @@ def node_size_of(group_name: str) -> int | None:
     return _NODE_SIZE.get((world_epoch(), group_name))
 
 
-def setup_groups(topology: Topology, mesh: DeviceMesh | None = None) -> Groups:
+def setup_groups(
+    topology: Topology, mesh: DeviceMesh | None = None, timeout_s: float | None = None
+) -> Groups:
     """The world, intra-node and cross-node groups of one topology: those of a
     2-D `mesh` (nodes x ranks per node), the user's or else one built here;
-    collective (every rank calls it in the same order). The first topology's
-    world group is WORLD; another topology gets a world group of its own, so
-    each group belongs to one topology."""
-    key = (world_epoch(), topology.world_size, topology.node_size)
+    collective (every rank calls it in the same order). The world group is
+    zppc's own (not WORLD), so each group belongs to one topology and carries
+    zppc's timeout: every operation on these groups fails after `timeout_s`
+    seconds instead of the backend's default (30 minutes for gloo)."""
+    key = (world_epoch(), topology.world_size, topology.node_size, timeout_s, id(mesh))
     if key in _GROUPS:
         return _GROUPS[key][1]
-    world = dist.group.WORLD
-    if node_size_of(world.group_name) not in (None, topology.node_size):
-        world = dist.new_group(list(range(topology.world_size)))
+    timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
+    world = dist.new_group(list(range(topology.world_size)), timeout=timeout)
     if mesh is None or mesh.ndim != 2:
         mesh = _node_mesh(topology) if topology.world_size % topology.node_size == 0 else None
     if mesh is not None:
@@ -114,6 +117,9 @@ def setup_groups(topology: Topology, mesh: DeviceMesh | None = None) -> Groups:
         # Uneven nodes: no mesh has this shape.
         intra, _ = dist.new_subgroups_by_enumeration(topology.intra_node_groups())
         cross, _ = dist.new_subgroups_by_enumeration(topology.cross_node_groups())
+    if timeout is not None:
+        for group in (intra, cross):
+            _set_timeout(group, timeout)
     groups = Groups(
         world=world.group_name, intra_node=intra.group_name, cross_node=cross.group_name, mesh=mesh
     )
@@ -121,6 +127,17 @@ def setup_groups(topology: Topology, mesh: DeviceMesh | None = None) -> Groups:
     for name in (groups.world, groups.intra_node, groups.cross_node):
         _NODE_SIZE.setdefault((world_epoch(), name), topology.node_size)
     return groups
+
+
+def _set_timeout(group: dist.ProcessGroup, timeout: timedelta) -> None:
+    """The timeout of every later operation on `group` (a mesh's groups are
+    created before zppc can pass one)."""
+    if dist.get_backend(group) in ("gloo", "nccl"):
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def world_group(groups: Groups) -> dist.ProcessGroup:
+    return dist.distributed_c10d._resolve_process_group(groups.world)
 
 
 def device_type() -> str:

@@ -133,10 +133,10 @@ def test_bucket_plan_is_greedy_in_graph_order(fake_pg):
 
 def test_pass_list_and_disable():
     names = [p.name for p in build_passes(zppc.Config(qwz="int8"))]
-    assert names == ["dedupe_unshard", "zero", "qwz", "bucket"]
-    names = [p.name for p in build_passes(zppc.Config(qwz="int8", qgz="int4"))]
+    assert names == ["dedupe_unshard", "zero", "qwz", "bucket", "sync_buffers"]
+    names = [p.name for p in build_passes(zppc.Config(qwz="int8", qgz="int4", buffer_sync=None))]
     assert names == ["dedupe_unshard", "zero", "qwz", "bucket", "qgz"]
-    names = [p.name for p in build_passes(zppc.Config(disable_passes=("bucket",)))]
+    names = [p.name for p in build_passes(zppc.Config(disable_passes=("bucket", "sync_buffers")))]
     assert names == ["dedupe_unshard", "zero"]
 
 

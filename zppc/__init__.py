@@ -6,11 +6,13 @@ step = torch.compile(model, backend="zppc")
 
 from zppc.checkpoint import load, save
 from zppc.config import Config
-from zppc.distribute import distribute, full_parameters
+from zppc.distribute import distribute, full_parameters, no_sync, set_requires_gradient_sync
 from zppc.inspect import inspect
+from zppc.runtime.failures import CollectiveError
 from zppc.runtime.ledger import CommStats, comm_stats, reset_comm_stats
 
 __all__ = [
+    "CollectiveError",
     "CommStats",
     "Config",
     "comm_stats",
@@ -18,7 +20,9 @@ __all__ = [
     "full_parameters",
     "inspect",
     "load",
+    "no_sync",
     "reset_comm_stats",
     "save",
+    "set_requires_gradient_sync",
 ]
 __version__ = "0.1.0"

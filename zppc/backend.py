@@ -21,7 +21,9 @@ from zppc.config import Config
 from zppc.distribute import DistributedState, live_states, state_of_shard
 from zppc.passes import PassContext, run_passes
 from zppc.passes.partition import zppc_partition
-from zppc.runtime.topology import Topology, default_node_size, setup_groups
+from zppc.passes.zero import find_collectives
+from zppc.runtime.failures import boxed_naming_failures
+from zppc.runtime.topology import Topology, default_node_size, group_ranks, setup_groups
 from zppc.schedule import CompileRecord, register_compile
 
 # Fields baked into the shards by `distribute`; options cannot change them later.
@@ -101,13 +103,16 @@ def compile_distributed(gm, example_inputs, config: Config, state: DistributedSt
     register_compile(record, state)
     gm = run_passes(gm, PassContext(config, "dynamo", record.passes["dynamo"], state))
     hpz_group = state.groups.intra_node if config.hpz else None
+    buffer_ids = state.buffer_ids() if state is not None else set()
+    buffer_inputs = tuple(i for i, t in enumerate(example_inputs) if id(t) in buffer_ids)
 
     def passes_then(lower):
         def compiler(graph: fx.GraphModule, inputs, **kw):
             kind = "backward" if kw.get("is_backward") else "forward"
-            graph = run_passes(graph, PassContext(config, kind, record.passes[kind], state))
+            ctx = PassContext(config, kind, record.passes[kind], state, buffer_inputs)
+            graph = run_passes(graph, ctx)
             record.final[kind] = graph
-            return lower(graph, inputs, **kw)
+            return boxed_naming_failures(lower(graph, inputs, **kw), describe(kind, graph, config))
 
         return compiler
 
@@ -145,6 +150,17 @@ def compile_distributed(gm, example_inputs, config: Config, state: DistributedSt
         return compile_fx(gm, example_inputs, inner_compile=passes_then(compile_fx_inner))
 
 
+def describe(kind: str, gm: fx.GraphModule, config: Config) -> str:
+    """What a graph communicates, for error messages: its collectives by kind
+    and group (global ranks)."""
+    counts: dict[str, int] = {}
+    for m in find_collectives(gm.graph):
+        key = f"{m.kind} over ranks {group_ranks(m.group_name)}"
+        counts[key] = counts.get(key, 0) + 1
+    issued = ", ".join(f"{n} {k}" for k, n in counts.items()) or "no collective"
+    return f"the compiled {kind} graph ({issued}, timeout {config.timeout_s:g} s)"
+
+
 def _lower_plain(gm, example_inputs, config: Config):
     """No process group: an ordinary single-device compile."""
     if config.lowering == "eager":
@@ -167,11 +183,13 @@ def _wrap_parameters_for_ddp(gm: fx.GraphModule, example_inputs, config: Config)
         if isinstance(t, nn.Parameter)
     ]
     world = dist.get_world_size()
-    setup_groups(Topology(world, config.node_size or default_node_size(world)))
+    groups = setup_groups(
+        Topology(world, config.node_size or default_node_size(world)), timeout_s=config.timeout_s
+    )
     with torch.no_grad():
         for _, t in params:
             dist.broadcast(t.data, src=0)
-    group_name = dist.group.WORLD.group_name
+    group_name = groups.world
     for node, t in params:
         with gm.graph.inserting_after(node):
             full = gm.graph.call_function(

@@ -17,6 +17,8 @@ STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "rtp")
 QWZ_FORMATS = (None, "int8", "int4")
 QGZ_FORMATS = (None, "int4", "int8")
 LOWERINGS = ("inductor", "eager")
+BUFFER_SYNCS = ("broadcast", None)
+NONFINITE_POLICIES = ("skip", "raise", None)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Default block sizes: one fp32 scale per block costs 4 bytes. int8 at 2048
@@ -113,6 +115,24 @@ class Config:
     reduce_dtype: torch.dtype | None = None
     """dtype gradients are reduced in. None: the gradient's own dtype."""
 
+    buffer_sync: str | None = "broadcast"
+    """How replicated buffers (BatchNorm's running statistics, counters) stay
+    identical on every rank: "broadcast" sends rank 0's values of the buffers a
+    forward changed at the end of that forward (DDP's `broadcast_buffers`, done
+    after the update instead of before the next forward, so ranks never
+    disagree when a user looks); None lets each rank keep its own."""
+
+    timeout_s: float = 300.0
+    """Seconds any collective zppc issues may wait before every waiting rank
+    raises an error naming the operation (gloo's default is 30 minutes). Set on
+    the process groups zppc runs its collectives on."""
+
+    nonfinite_grads: str | None = "skip"
+    """Before each optimizer step on this model's parameters, check the
+    gradients for inf/NaN on every rank (one 4-byte all-reduce): "skip" skips
+    the step on every rank with a warning, "raise" raises on every rank, None
+    does not check."""
+
     disable_passes: tuple[str, ...] = ()
     """Names of passes to skip (see `zppc.passes.PASS_NAMES`)."""
 
@@ -125,6 +145,16 @@ class Config:
         _check_choice("qgz", self.qgz, QGZ_FORMATS)
         _check_choice("qgz_intra_node", self.qgz_intra_node, QGZ_FORMATS)
         _check_choice("lowering", self.lowering, LOWERINGS)
+        _check_choice("buffer_sync", self.buffer_sync, BUFFER_SYNCS)
+        _check_choice("nonfinite_grads", self.nonfinite_grads, NONFINITE_POLICIES)
+        if (
+            isinstance(self.timeout_s, bool)
+            or not isinstance(self.timeout_s, (int, float))
+            or not 0 < self.timeout_s < float("inf")
+        ):
+            raise ValueError(
+                f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}"
+            )
         for name in ("qwz_block", "qgz_block", "bucket_bytes"):
             value = getattr(self, name)
             if value is None and name != "bucket_bytes":

@@ -17,29 +17,39 @@ step or an in-place `zero_grad` reaches both).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import math
+import warnings
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 from torch.utils._pytree import tree_map_only
 
 import zppc.ir  # noqa: F401  (registers zppc::unshard / zppc::reduce_grad)
 from zppc.config import Config
+from zppc.runtime.collectives import all_gather_ints, broadcast_from_first
+from zppc.runtime.grad_sync import GradSync, gathered, new_grad_sync
 from zppc.runtime.topology import (
     Groups,
     Topology,
     default_node_size,
     device_type,
     setup_groups,
+    world_group,
 )
 
 
@@ -147,6 +157,13 @@ class DistributedState:
     take as inputs and the IR gathers."""
     compiles: list = field(default_factory=list)
     """`CompileRecord`s of every graph compiled from this model (for `zppc.inspect`)."""
+    grad_sync: GradSync = field(default_factory=new_grad_sync)
+    """Whether backwards reduce gradients now, and those deferred while not
+    (`zppc.no_sync`)."""
+    skipped_steps: int = 0
+    """Optimizer steps skipped for non-finite gradients (`Config.nonfinite_grads`)."""
+    model_ref: Any = None
+    """Weak reference to the distributed model (its buffers are found from it)."""
     qgz_residuals: dict[str, Tensor] = field(default_factory=dict)
     """qgZ error feedback: this rank's quantization error per compile, bucket and
     hop, added before the next step's quantization (saved by `zppc.save`)."""
@@ -156,6 +173,10 @@ class DistributedState:
         """2-D (node, local) mesh whose groups carry the intra- and cross-node
         collectives (None when `world_size % node_size != 0`)."""
         return self.groups.mesh
+
+    def buffer_ids(self) -> set[int]:
+        model = self.model_ref() if self.model_ref is not None else None
+        return set() if model is None else {id(b) for b in model.buffers()}
 
     def shard(self, fqn: str) -> nn.Parameter:
         return self.flat_shards[fqn]
@@ -220,10 +241,12 @@ def distribute(model: nn.Module, config: Config | None = None) -> nn.Module:
     check_agreement(config, node_size, model, local_error)
 
     topology = Topology(world_size=world, node_size=node_size)
-    groups = setup_groups(topology, config.mesh)
-    mesh = DeviceMesh.from_group(dist.group.WORLD, device_type())
+    groups = setup_groups(topology, config.mesh, config.timeout_s)
+    mesh = DeviceMesh.from_group(world_group(groups), device_type())
 
-    state = DistributedState(config=config, topology=topology, groups=groups, mesh=mesh)
+    state = DistributedState(
+        config=config, topology=topology, groups=groups, mesh=mesh, model_ref=weakref.ref(model)
+    )
     by_param: dict[int, str] = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
         for name, param in list(module.named_parameters(recurse=False)):
@@ -261,13 +284,15 @@ def distribute(model: nn.Module, config: Config | None = None) -> nn.Module:
                     spec.as_dtensor(flat.detach(), mesh, rank), requires_grad=param.requires_grad
                 )
             for owner, name in state.owners[fqn]:
-                _replace_with_property(owner, name, flat, dparam, spec)
+                _replace_with_property(owner, name, flat, dparam, spec, state.grad_sync)
             if flat.requires_grad:
                 _publish_grads(flat, dparam, spec, mesh, rank)
             state.flat_shards[fqn] = flat
             for t in (flat, dparam):
                 _STATE_OF_SHARD[id(t)] = (weakref.ref(t), state)
     _mark_forwards(model, config.param_dtype)
+    if config.buffer_sync == "broadcast":
+        _broadcast_buffers_after_forward(model, groups.world)
     _guard_optimizers()
     model._zppc_state = state
     return model
@@ -289,6 +314,8 @@ def _guard_optimizers() -> None:
         if cls is not None:
             cls.add_param_group = _refusing_sharded(cls.add_param_group)
     register_optimizer_step_pre_hook(_prefer_foreach)
+    register_optimizer_step_pre_hook(_skip_nonfinite_steps)
+    register_optimizer_step_post_hook(_restore_skipped_grads)
     _GUARD_INSTALLED[0] = True
 
 
@@ -337,6 +364,67 @@ def _prefer_foreach(optimizer, args, kwargs) -> None:
         left_to_torch = "foreach" in group and group["foreach"] is None
         if left_to_torch and not group.get("fused") and not group.get("differentiable"):
             group["foreach"] = True
+
+
+# Optimizer -> the gradients it was stepping with, hidden while a step is skipped.
+_HIDDEN_GRADS: dict[int, list[tuple[Tensor, Tensor]]] = {}
+
+
+def _skip_nonfinite_steps(optimizer, args, kwargs) -> None:
+    """Before a step on zppc parameters: refuse gradients still deferred by
+    `no_sync` (they would be lost); then, if any rank holds an inf or NaN in the
+    model's gradients, every rank skips the step (its gradients are hidden from
+    the optimizer until the step returns) or raises, as `Config.nonfinite_grads`
+    says. One all-gather of a flag per model decides it, so ranks never differ."""
+    states = {
+        id(state): state
+        for group in optimizer.param_groups
+        for state in map(state_of_shard, group["params"])
+        if state is not None
+    }
+    for state in states.values():
+        if state.grad_sync.deferred:
+            raise ValueError(
+                "zppc: optimizer step with gradients still deferred by zppc.no_sync; run the "
+                "last micro-batch's backward with gradient sync on before stepping"
+            )
+        if state.config.nonfinite_grads is None:
+            continue
+        bad_ranks, names = _nonfinite_gradients(state)
+        if not bad_ranks:
+            continue
+        where = f"non-finite gradients on ranks {bad_ranks} (this rank: {names or 'none'})"
+        if state.config.nonfinite_grads == "raise":
+            raise FloatingPointError(f"zppc: {where}; Config(nonfinite_grads='raise')")
+        warnings.warn(f"zppc: skipping this optimizer step on every rank: {where}", stacklevel=3)
+        state.skipped_steps += 1
+        hidden = [
+            (p, p.grad) for g in optimizer.param_groups for p in g["params"] if p.grad is not None
+        ]
+        for p, _ in hidden:
+            p.grad = None
+        _HIDDEN_GRADS[id(optimizer)] = hidden
+        return
+
+
+def _restore_skipped_grads(optimizer, args, kwargs) -> None:
+    for p, grad in _HIDDEN_GRADS.pop(id(optimizer), ()):
+        p.grad = grad
+
+
+def _nonfinite_gradients(state: DistributedState) -> tuple[list[int], list[str]]:
+    """(ranks whose gradient shards hold an inf or NaN, this rank's parameters with one)."""
+    named = [(fqn, f.grad) for fqn, f in state.flat_shards.items() if f.grad is not None]
+    names = []
+    if named:
+        # The largest magnitude per tensor: inf and NaN survive it, finite values cannot overflow.
+        peaks = torch._foreach_norm([g for _, g in named], float("inf"))
+        names = [fqn for (fqn, _), peak in zip(named, peaks, strict=True) if not peak.isfinite()]
+    device = next((f.device for f in state.flat_shards.values()), torch.device("cpu"))
+    flags = torch.zeros(state.topology.world_size, dtype=torch.int32, device=device)
+    mine = torch.tensor([int(bool(names))], dtype=torch.int32, device=flags.device)
+    all_gather_ints(flags, mine, state.groups.world)
+    return [r for r, flag in enumerate(flags.tolist()) if flag], names
 
 
 def _node_size(config: Config, world: int) -> int:
@@ -396,6 +484,29 @@ def _mark_forwards(model: nn.Module, param_dtype: torch.dtype | None) -> None:
         model.register_forward_pre_hook(cast_inputs, with_kwargs=True, prepend=True)
 
 
+def _broadcast_buffers_after_forward(model: nn.Module, group_name: str) -> None:
+    """Uncompiled forwards: after each forward, rank 0's values of the model's
+    persistent buffers (those in its state dict: BatchNorm's statistics and
+    counters) replace every rank's. Version counters cannot tell which ones a
+    forward changed (BatchNorm's CPU kernel writes its statistics without
+    bumping them), and non-persistent ones (masks, rotary tables) are
+    constants. Compiled graphs broadcast exactly the buffers they write (the
+    `sync_buffers` pass), so this hook steps aside for them."""
+
+    def after(module, args, output):
+        if torch.compiler.is_compiling():
+            return
+        seen: dict[int, Tensor] = {}
+        for m in model.modules():
+            for name, b in m._buffers.items():
+                if b is not None and name not in m._non_persistent_buffers_set:
+                    seen.setdefault(id(b), b)
+        if seen:
+            broadcast_from_first(list(seen.values()), group_name)
+
+    model.register_forward_hook(after)
+
+
 def _publish_grads(flat: nn.Parameter, dparam: nn.Parameter, spec: ShardSpec, mesh, rank) -> None:
     """Make the flat shard's gradient the DTensor parameter's `.grad` (a view of
     it). A gradient the user dropped (`zero_grad()` sets `.grad = None`) is
@@ -407,6 +518,8 @@ def _publish_grads(flat: nn.Parameter, dparam: nn.Parameter, spec: ShardSpec, me
         return grad
 
     def after_accumulate(flat: Tensor) -> None:
+        if flat.grad is None:  # a backward under `no_sync` gave the shard nothing
+            return
         with torch.no_grad():
             dparam.grad = spec.as_dtensor(flat.grad, mesh, rank)
 
@@ -556,9 +669,15 @@ def _broadcast_from_rank0(module: nn.Module) -> None:
 
 
 def _replace_with_property(
-    module: nn.Module, name: str, flat: nn.Parameter, dparam: nn.Parameter, spec: ShardSpec
+    module: nn.Module,
+    name: str,
+    flat: nn.Parameter,
+    dparam: nn.Parameter,
+    spec: ShardSpec,
+    grad_sync: GradSync,
 ) -> None:
     module._parameters[name] = dparam
+    module.__dict__["_zppc_sync"] = grad_sync
     module.__dict__.setdefault("_zppc_specs", {})[name] = spec
     module.__dict__.setdefault("_zppc_flat", {})[name] = flat
     cls = type(module)
@@ -577,17 +696,48 @@ def _make_getter(name: str):
         if not (torch.compiler.is_compiling() or _FORWARDS_RUNNING[0]):
             return self._parameters[name]
         spec: ShardSpec = self._zppc_specs[name]
-        return torch.ops.zppc.unshard(
-            self._zppc_flat[name],
-            list(spec.shape),
-            spec.group_name,
-            spec.mode,
-            spec.param_dtype,
-            spec.reduce_dtype,
-        )
+
+        def unshard(shard: Tensor) -> Tensor:
+            return torch.ops.zppc.unshard(
+                shard,
+                list(spec.shape),
+                spec.group_name,
+                spec.mode,
+                spec.param_dtype,
+                spec.reduce_dtype,
+            )
+
+        return gathered(self._zppc_flat[name], unshard, self._zppc_sync, spec.fqn)
 
     parameter.__name__ = name
     return parameter
+
+
+def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
+    """Whether the next backwards of `model` reduce gradients across ranks
+    (FSDP2's method of the same name). Off: each rank sums its full local
+    gradients (one full-size buffer per parameter) and communicates nothing;
+    the first backward with it on again reduces them with its own. Call it
+    identically on every rank."""
+    state = state_of(model)
+    if state is None:
+        raise ValueError("set_requires_gradient_sync needs a model passed to zppc.distribute")
+    if not isinstance(requires_gradient_sync, bool):
+        raise ValueError(
+            f"requires_gradient_sync must be True or False, got {requires_gradient_sync!r}"
+        )
+    state.grad_sync.enabled = requires_gradient_sync
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Backwards inside the block accumulate gradients on each rank without
+    communicating (DDP's `no_sync`); the first backward after it reduces them."""
+    set_requires_gradient_sync(model, False)
+    try:
+        yield
+    finally:
+        set_requires_gradient_sync(model, True)
 
 
 @torch.no_grad()

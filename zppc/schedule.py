@@ -9,8 +9,8 @@ from torch import fx
 
 from zppc.passes.zero import UNQUANTIZED_BYTES, find_collectives
 from zppc.runtime.collectives import bytes_per_peer
-from zppc.runtime.ledger import peer_split
-from zppc.runtime.topology import group_ranks, node_size_of
+from zppc.runtime.ledger import received
+from zppc.runtime.topology import group_ranks
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,7 @@ def graph_schedule(gm: fx.GraphModule, graph: str, rank: int) -> list[ScheduledC
         kind, group_name = m.kind, m.group_name
         ranks = group_ranks(group_name)
         per_peer = bytes_per_peer(kind, m.input.meta["val"], len(ranks))
-        node_size = node_size_of(group_name) or len(ranks)
-        intra, inter = peer_split(group_name, rank, node_size)
+        intra, inter = received(kind, group_name, rank, per_peer)
         result.append(
             ScheduledCollective(
                 graph=graph,
@@ -67,8 +66,8 @@ def graph_schedule(gm: fx.GraphModule, graph: str, rank: int) -> list[ScheduledC
                 group_name=group_name,
                 group_size=len(ranks),
                 bytes_per_peer=per_peer,
-                intra_node_bytes=intra * per_peer,
-                inter_node_bytes=inter * per_peer,
+                intra_node_bytes=intra,
+                inter_node_bytes=inter,
                 unquantized_bytes_per_peer=m.wait.meta.get(UNQUANTIZED_BYTES, per_peer),
             )
         )

@@ -1,0 +1,112 @@
+"""Nothing lost, nothing hangs: buffers, timeouts, dead peers, non-finite
+gradients and accumulation without communication, on 2-4 gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+import reliability_workers as rw
+import torch
+from spawn import run_ranks
+
+pytestmark = pytest.mark.multiproc
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "way", ["uncompiled", "eager", pytest.param("inductor", marks=pytest.mark.inductor)]
+)
+def test_batchnorm_buffers_are_rank0s_on_every_rank(way):
+    synced = run_ranks(rw.batchnorm_buffers, 4, way, "broadcast", timeout=540)
+    local = run_ranks(rw.batchnorm_buffers, 4, way, None, timeout=540)
+    for rank, result in enumerate(synced):
+        # Every buffer, counters included, is rank 0's ...
+        assert _same(result["buffers"], synced[0]["buffers"]), f"rank {rank}"
+        assert result["buffers"]["bn.num_batches_tracked"].item() == 3
+        assert result["buffers"]["calls"].item() == 4  # 3 training forwards + 1 eval
+        # ... so the same input gives the same eval output on every rank.
+        assert torch.equal(result["eval"], synced[0]["eval"]), f"rank {rank}"
+    # Rank 0 is the root: it receives nothing, so its buffers are its own run's.
+    assert _same(synced[0]["buffers"], local[0]["buffers"])
+    # Without the policy the statistics drift apart (what the test guards against).
+    assert not torch.equal(
+        local[1]["buffers"]["bn.running_mean"], local[0]["buffers"]["bn.running_mean"]
+    )
+    assert not torch.equal(local[1]["eval"], local[0]["eval"])
+    assert local[0]["broadcast_calls"] == 0
+    # One broadcast per dtype (float statistics, int64 counters) per training forward.
+    assert synced[0]["broadcast_calls"] == 2 * 3
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("way", ["uncompiled", "eager"])
+def test_stalled_peer_fails_within_the_timeout_naming_the_operation(way):
+    result = run_ranks(rw.stalled_peer, 2, way, 4.0, timeout=240)[0]
+    assert result["error"] is not None, "rank 0 did not fail"
+    assert result["seconds"] < 4.0 + 15.0, result
+    assert "rank 0" in result["error"] and "all_gather" in result["error"].replace("-", "_")
+    if way == "eager":
+        assert "compiled forward graph" in result["error"] and "timeout 4 s" in result["error"]
+    else:
+        assert "eager all-gather over ranks [0, 1]" in result["error"]
+
+
+@pytest.mark.timeout(300)
+def test_killed_peer_makes_the_others_fail_within_the_timeout():
+    results = run_ranks(rw.killed_peer, 3, 60.0, timeout=240, may_die=(1,))
+    for rank in (0, 2):
+        assert results[rank]["error"] is not None, f"rank {rank} did not fail"
+        assert results[rank]["seconds"] < 60.0, results[rank]
+        assert "compiled" in results[rank]["error"], results[rank]
+    assert results[1] is None
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["zero3", "ddp"])
+def test_nan_on_one_rank_skips_the_step_on_every_rank(strategy):
+    results = run_ranks(rw.nonfinite_gradient, 4, strategy, "skip", timeout=240)
+    for rank, r in enumerate(results):
+        assert _same(r["after"], r["before"]), f"rank {rank} stepped"
+        assert r["steps_after"] == r["steps_before"], f"rank {rank} advanced AdamW's state"
+        assert r["grads_kept"], "the user's gradients were not given back"
+        assert len(r["warnings"]) == 1 and "ranks [2]" in r["warnings"][0], r["warnings"]
+        assert r["skipped"] == 1
+        assert _same(r["final"], results[0]["final"])
+        assert all(torch.isfinite(p).all() for p in r["final"].values())
+        # The later steps still train.
+        assert not _same(r["final"], r["after"])
+
+
+@pytest.mark.timeout(300)
+def test_nan_on_one_rank_raises_on_every_rank_when_asked():
+    results = run_ranks(rw.nonfinite_gradient, 4, "zero3", "raise", timeout=240)
+    for r in results:
+        assert r["error"] is not None and "ranks [2]" in r["error"], r["error"]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    "strategy, way",
+    [
+        ("zero3", "eager"),
+        ("ddp", "eager"),
+        ("zero2", "uncompiled"),
+        pytest.param("zero3", "inductor", marks=pytest.mark.inductor),
+    ],
+)
+def test_no_sync_accumulation_equals_a_reduction_every_micro_step(strategy, way):
+    results = run_ranks(rw.accumulation_without_sync, 4, strategy, way, timeout=840)
+    for rank, r in enumerate(results):
+        deferred, synced = r["no_sync"], r["sync_every_micro_step"]
+        # Backwards inside no_sync reduce nothing (zero3 still re-gathers weights).
+        assert len(deferred["deferred_bytes"]) == 4
+        for by_kind in deferred["deferred_bytes"]:
+            assert set(by_kind) <= {"all_gather"}, by_kind
+            assert strategy == "zero3" or not by_kind, by_kind
+        for name, p in synced["params"].items():
+            gap = (deferred["params"][name] - p).abs().max().item()
+            assert gap < 1e-6, f"rank {rank} {name}: {gap}"
+        assert "deferred by zppc.no_sync" in r["early_step_error"]
