@@ -17,7 +17,12 @@ def _same(a: dict, b: dict) -> bool:
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
-    "way", ["uncompiled", "eager", pytest.param("inductor", marks=pytest.mark.inductor)]
+    "way",
+    [
+        "uncompiled",
+        "eager",
+        pytest.param("inductor", marks=[pytest.mark.inductor, pytest.mark.slow]),
+    ],
 )
 def test_batchnorm_buffers_are_rank0s_on_every_rank(way):
     synced = run_ranks(rw.batchnorm_buffers, 4, way, "broadcast", timeout=540)
@@ -93,8 +98,8 @@ def test_nan_on_one_rank_raises_on_every_rank_when_asked():
     [
         ("zero3", "eager"),
         ("ddp", "eager"),
-        ("zero2", "uncompiled"),
-        pytest.param("zero3", "inductor", marks=pytest.mark.inductor),
+        pytest.param("zero2", "uncompiled", marks=pytest.mark.slow),
+        pytest.param("zero3", "inductor", marks=[pytest.mark.inductor, pytest.mark.slow]),
     ],
 )
 def test_no_sync_accumulation_equals_a_reduction_every_micro_step(strategy, way):
