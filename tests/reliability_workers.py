@@ -180,3 +180,43 @@ def accumulation_without_sync(rank, world, strategy, way, micro_steps=3, steps=2
                 out["early_step_error"] = str(exc)
             (run(xs[0], ys[0]) * 0).backward()  # flush, so nothing is left pending
     return out
+
+
+def interrupted_save(rank, world, path, phase):
+    """phase "first": train 2 steps, save, train a step, save again while rank 1
+    is killed inside DCP's file writing; rank 0 returns the parameters of the
+    first save and the error the second raised. phase "load": a fresh job
+    loads `path`."""
+    torch._dynamo.reset()
+    torch.manual_seed(0 if phase == "first" else 1)
+    model = MODELS["padded"]()
+    zppc.distribute(model, zppc.Config(lowering="eager", timeout_s=60))
+    opt = make_optimizer("adamw", model.parameters())
+    if phase == "load":
+        zppc.load(model, opt, path)
+        return {"params": zppc.full_parameters(model), "steps": _adam_steps(opt)}
+    for i in range(3):
+        x, y = MODELS["padded"].batch(i)
+        model(local_slice(x, rank, world), local_slice(y, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+        if i == 1:
+            zppc.save(model, opt, path)
+            saved = {"params": zppc.full_parameters(model), "steps": _adam_steps(opt)}
+    if rank == 1:
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+        def die(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        FileSystemWriter.write_data = die
+    try:
+        zppc.save(model, opt, path)
+        error = None
+    except Exception as exc:  # noqa: BLE001 (DCP wraps the failure in its own type)
+        error = f"{type(exc).__name__}: {exc}"
+    return {**saved, "error": error}
+
+
+def _adam_steps(opt) -> list[float]:
+    return [float(s["step"]) for s in opt.state.values()]

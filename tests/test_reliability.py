@@ -115,3 +115,14 @@ def test_no_sync_accumulation_equals_a_reduction_every_micro_step(strategy, way)
             gap = (deferred["params"][name] - p).abs().max().item()
             assert gap < 1e-6, f"rank {rank} {name}: {gap}"
         assert "deferred by zppc.no_sync" in r["early_step_error"]
+
+
+@pytest.mark.timeout(400)
+def test_interrupted_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+    path = str(tmp_path / "ckpt")
+    first = run_ranks(rw.interrupted_save, 2, path, "first", timeout=300, may_die=(1,))[0]
+    assert first["error"] is not None, "the save with a dead rank did not fail"
+    loaded = run_ranks(rw.interrupted_save, 2, path, "load", timeout=300)
+    for r in loaded:
+        assert _same(r["params"], first["params"])
+        assert r["steps"] == first["steps"] == [2.0] * len(first["steps"])

@@ -8,10 +8,20 @@ does not depend on the world size: one saved on 4 ranks loads on 2 or 8.
 qgZ error-feedback residuals are this rank's own (not shards of anything), so
 they are saved under `qgz_residuals.rank<r>` and come back only on the same
 world size; on another one they start from zero again, with a warning.
+
+A save never damages the checkpoint it replaces: DCP writes into
+`<path>.zppc-staging`, and only once every rank has finished does rank 0 move
+the old checkpoint aside (`<path>.zppc-old`), the new one into place, and
+delete the old. A save killed at any point leaves a loadable checkpoint at
+`path`, or, between the two renames, at `<path>.zppc-old`, where `load` looks
+next. `path` must be on a filesystem every rank sees (as DCP's writer needs).
+DCP's collectives run on the model's own world group, under `Config.timeout_s`.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import warnings
 
 import torch
@@ -26,6 +36,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from zppc.distribute import state_of
+from zppc.runtime.failures import naming_failures
+from zppc.runtime.topology import world_group
+
+STAGING, OLD = ".zppc-staging", ".zppc-old"
 
 
 def _state_dicts(model: nn.Module, opt: torch.optim.Optimizer | None) -> dict:
@@ -40,10 +54,42 @@ def _state_dicts(model: nn.Module, opt: torch.optim.Optimizer | None) -> dict:
 def save(model: nn.Module, opt: torch.optim.Optimizer | None, path: str) -> None:
     """Write this rank's pieces of the model (and optimizer) state to `path`."""
     sd = _state_dicts(model, opt)
-    residuals = state_of(model).qgz_residuals
-    if residuals:
-        sd["qgz_residuals"] = {f"rank{dist.get_rank()}": dict(residuals)}
-    dcp.save(sd, checkpoint_id=path)
+    state = state_of(model)
+    if state.qgz_residuals:
+        sd["qgz_residuals"] = {f"rank{dist.get_rank()}": dict(state.qgz_residuals)}
+    group = world_group(state.groups)
+    path = os.fspath(path)
+    staging = path + STAGING
+    with naming_failures(f"zppc.save to {path}"):
+        if dist.get_rank() == 0:
+            shutil.rmtree(staging, ignore_errors=True)  # what an interrupted save left
+        dist.barrier(group=group)
+        dcp.save(sd, checkpoint_id=staging, process_group=group)
+        dist.barrier(group=group)  # every rank's files are written
+        if dist.get_rank() == 0:
+            _swap_in(staging, path)
+        dist.barrier(group=group)
+
+
+def _swap_in(staging: str, path: str) -> None:
+    """Replace the checkpoint at `path` with the finished one at `staging`."""
+    old = path + OLD
+    if os.path.exists(path):
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+    os.replace(staging, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _readable(path: str) -> str:
+    """`path`, or the previous checkpoint a save interrupted between its renames left."""
+    path = os.fspath(path)
+    if not os.path.exists(path) and os.path.exists(path + OLD):
+        warnings.warn(
+            f"{path} is missing; loading {path + OLD} (a save was interrupted)", stacklevel=3
+        )
+        return path + OLD
+    return path
 
 
 def _saved_residuals(path: str) -> dict[str, dict[str, torch.Tensor]]:
@@ -74,10 +120,12 @@ def load(model: nn.Module, opt: torch.optim.Optimizer | None, path: str) -> None
     """Read the checkpoint at `path` into the model (and the optimizer),
     whatever the world size it was saved with."""
     sd = _state_dicts(model, opt)
+    path = _readable(path)
     residuals = _saved_residuals(path)
     if residuals:
         sd["qgz_residuals"] = residuals
-    dcp.load(sd, checkpoint_id=path)
+    with naming_failures(f"zppc.load from {path}"):
+        dcp.load(sd, checkpoint_id=path, process_group=world_group(state_of(model).groups))
     set_model_state_dict(model, sd["model"])
     state_of(model).qgz_residuals.clear()
     for saved in residuals.values():
