@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import time
 
 import torch
@@ -47,6 +48,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--node-size", type=int, default=None)
     p.add_argument("--lowering", default="inductor", choices=["inductor", "eager"])
     p.add_argument("--corpus-mb", type=float, default=8.0)
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        help="directory to save to every --save-every steps and to resume from (torchrun --max-restarts)",
+    )
+    p.add_argument("--save-every", type=int, default=50)
+    p.add_argument(
+        "--fail-at-step",
+        type=int,
+        default=None,
+        help="fault drill: rank 1 kills itself at this step in the first attempt",
+    )
     return p.parse_args()
 
 
@@ -94,11 +107,25 @@ def main() -> None:
             f"{' + qgz ' + qgz if qgz else ''} on {world} ranks ({args.lowering}): GPT {args.preset} "
             f"{n_params / 1e6:.2f}M parameters, corpus {data.numel() / 2**20:.1f} MiB of stdlib source"
         )
-    bar = tqdm(range(args.steps), disable=rank != 0, unit="step", dynamic_ncols=True)
+    progress = {"step": torch.zeros((), dtype=torch.long)}
+    if args.checkpoint and os.path.exists(args.checkpoint):
+        zppc.load(model, opt, args.checkpoint, extra=progress)
+        for _ in range(int(progress["step"])):  # the data streams resume where they were
+            next(train)
+        if rank == 0:
+            print(f"resumed from {args.checkpoint} at step {int(progress['step'])}")
+    start = int(progress["step"])
+    ran = args.steps - start  # steps this attempt runs (all of them unless resumed)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    bar = tqdm(range(start, args.steps), disable=rank != 0, unit="step", dynamic_ncols=True)
     tokens_per_step = args.batch_size * block * world
     zppc.reset_comm_stats()
     t0, timed_steps, first_loss = None, 0, None
+    value = float("nan")
     for i in bar:
+        if args.fail_at_step == i and rank == 1 and attempt == 0:
+            print(f"fault drill: rank 1 kills itself at step {i}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         x, y = next(train)
         loss = step(x, y)
         loss.backward()
@@ -109,9 +136,12 @@ def main() -> None:
         dist.all_reduce(value)
         value = value.item() / world
         first_loss = first_loss if first_loss is not None else value
-        if i == 1:  # the first step compiles; time the rest
+        if args.checkpoint and ((i + 1) % args.save_every == 0 or i + 1 == args.steps):
+            progress["step"].fill_(i + 1)
+            zppc.save(model, opt, args.checkpoint, extra=progress)
+        if i == start + 1:  # the first step compiles; time the rest
             t0, timed_steps = time.perf_counter(), 0
-        timed_steps += 1 if t0 is not None and i > 1 else 0
+        timed_steps += 1 if t0 is not None and i > start + 1 else 0
         stats = zppc.comm_stats()
         rate = tokens_per_step * timed_steps / (time.perf_counter() - t0) if timed_steps else 0.0
         bar.set_postfix(
@@ -124,12 +154,11 @@ def main() -> None:
         val_loss = torch.stack([step(*next(val)) for _ in range(4)]).mean()
     dist.all_reduce(val_loss)
     if rank == 0:
-        per_step = stats.total_bytes / max(1, args.steps)
+        per_step = stats.total_bytes / max(1, ran)
+        first = f"{first_loss:.3f}" if first_loss is not None else "-"
+        print(f"loss {first} -> {value:.3f}, validation loss {val_loss.item() / world:.3f}")
         print(
-            f"loss {first_loss:.3f} -> {value:.3f}, validation loss {val_loss.item() / world:.3f}"
-        )
-        print(
-            f"rank 0 received {stats.total_bytes / 2**20:,.1f} MiB over {args.steps} steps "
+            f"rank 0 received {stats.total_bytes / 2**20:,.1f} MiB over {ran} steps "
             f"({per_step / 2**20:.2f} MiB/step; intra-node {stats.intra_node_bytes / 2**20:,.1f} MiB, "
             f"inter-node {stats.inter_node_bytes / 2**20:,.1f} MiB)"
         )
@@ -148,10 +177,10 @@ def main() -> None:
         )
         if would > moved:
             print(
-                f"quantization saved {(would - moved) * args.steps / 2**20:,.1f} MiB on rank 0 over {args.steps} steps: "
+                f"quantization saved {(would - moved) * ran / 2**20:,.1f} MiB on rank 0 over {ran} steps: "
                 f"{moved / 2**20:.2f} MiB/step instead of {would / 2**20:.2f} MiB/step ({1 - moved / would:.0%} less)"
             )
-        full_ddp = 2 * (world - 1) / world * n_params * 4 * args.steps
+        full_ddp = 2 * (world - 1) / world * n_params * 4 * ran
         print(
             f"for reference, an fp32 all-reduce of every gradient (DDP) receives {full_ddp / 2**20:,.1f} MiB"
         )

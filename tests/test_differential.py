@@ -62,6 +62,9 @@ def check_case(name: str, per_rank: list[dict], micro_steps: int, config: dict) 
     first = per_rank[0]
     for rank, result in enumerate(per_rank[1:], 1):
         for way in ("zppc", "eager", "inductor"):
+            # Buffers are rank 0's on every rank (Config.buffer_sync="broadcast").
+            for n, b in first[way]["buffers"].items():
+                assert result[way]["buffers"][n].equal(b), f"{name}: rank {rank} {way} buffer {n}"
             assert result[way]["params"].keys() == first[way]["params"].keys()
             for n, p in first[way]["params"].items():
                 assert result[way]["params"][n].equal(p), f"{name}: rank {rank} {way} {n} differs"

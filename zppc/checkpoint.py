@@ -51,9 +51,18 @@ def _state_dicts(model: nn.Module, opt: torch.optim.Optimizer | None) -> dict:
     return sd
 
 
-def save(model: nn.Module, opt: torch.optim.Optimizer | None, path: str) -> None:
-    """Write this rank's pieces of the model (and optimizer) state to `path`."""
+def save(
+    model: nn.Module,
+    opt: torch.optim.Optimizer | None,
+    path: str,
+    extra: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """Write this rank's pieces of the model (and optimizer) state to `path`;
+    `extra`: tensors of the training loop's own (a step counter), the same on
+    every rank, saved beside them."""
     sd = _state_dicts(model, opt)
+    if extra:
+        sd["extra"] = dict(extra)
     state = state_of(model)
     if state.qgz_residuals:
         sd["qgz_residuals"] = {f"rank{dist.get_rank()}": dict(state.qgz_residuals)}
@@ -116,10 +125,18 @@ def _saved_residuals(path: str) -> dict[str, dict[str, torch.Tensor]]:
     return {mine: by_rank[mine]}
 
 
-def load(model: nn.Module, opt: torch.optim.Optimizer | None, path: str) -> None:
+def load(
+    model: nn.Module,
+    opt: torch.optim.Optimizer | None,
+    path: str,
+    extra: dict[str, torch.Tensor] | None = None,
+) -> None:
     """Read the checkpoint at `path` into the model (and the optimizer),
-    whatever the world size it was saved with."""
+    whatever the world size it was saved with; the tensors of `extra` are
+    filled in place from those `save` was given."""
     sd = _state_dicts(model, opt)
+    if extra:
+        sd["extra"] = extra
     path = _readable(path)
     residuals = _saved_residuals(path)
     if residuals:
