@@ -156,7 +156,7 @@ def print_table(report: dict, args) -> None:
         )
         print(
             "| configuration | step (s) | tokens/s | vs FSDP2 | vs zppc zero3 | wire MB/step | ledger MB/step "
-            "| ledger / wire | peak RSS MB/rank | final loss |"
+            "| ledger / wire | peak RSS MiB/rank | final loss |"
         )
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in link["rows"]:
@@ -171,9 +171,9 @@ def print_table(report: dict, args) -> None:
                 else "-"
                 for base in ("torch-fsdp2", "zppc-zero3")
             }
-            wire = r["wire_bytes"] / steps / 2**20
+            wire = r["wire_bytes"] / steps / 1e6
             ledger = r["ledger_inter_node_bytes"]
-            ledger_text = f"{ledger / steps / 2**20:,.2f}" if ledger is not None else "-"
+            ledger_text = f"{ledger / steps / 1e6:,.2f}" if ledger is not None else "-"
             ledger_ratio = (
                 f"{ledger / r['wire_bytes']:.2f}" if ledger is not None and r["wire_bytes"] else "-"
             )
