@@ -25,7 +25,7 @@ sys.path.insert(0, str(HERE))
 from cluster import ClusterError, EmulatedCluster, require_privileges  # noqa: E402
 from worker import CONFIGS, why_not_runnable  # noqa: E402
 
-QUICK_CONFIGS = ["torch-ddp", "torch-fsdp2", "zppc-zero3", "zppc-zero3-qwz-int8"]
+QUICK_CONFIGS = ["torch-fsdp2", "zppc-zero3", "zppc-zero3-qwz-int8", "zppc-zero3-qgz"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -58,7 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.quick:
         args.model, args.steps, args.warmup, args.block = "gpt-tiny", 3, 1, 32
         args.inter_bw = "100mbit"
-        args.configs = args.configs or ",".join(QUICK_CONFIGS + ["zppc-zero3-qgz"])
+        args.configs = args.configs or ",".join(QUICK_CONFIGS)
     args.configs = args.configs or ",".join(CONFIGS)
     unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
     if unknown:

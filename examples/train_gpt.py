@@ -60,6 +60,7 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="fault drill: rank 1 kills itself at this step in the first attempt",
     )
+    p.add_argument("--log-losses", action="store_true", help="print every step's loss (rank 0)")
     return p.parse_args()
 
 
@@ -136,6 +137,8 @@ def main() -> None:
         dist.all_reduce(value)
         value = value.item() / world
         first_loss = first_loss if first_loss is not None else value
+        if args.log_losses and rank == 0:
+            print(f"step {i} loss {value:.6f}", flush=True)
         if args.checkpoint and ((i + 1) % args.save_every == 0 or i + 1 == args.steps):
             progress["step"].fill_(i + 1)
             zppc.save(model, opt, args.checkpoint, extra=progress)

@@ -24,7 +24,12 @@ def _lowering(way: str) -> str:
     return "eager" if way == "uncompiled" else way
 
 
-def batchnorm_buffers(rank, world, way, buffer_sync, steps=3):
+def batchnorm_buffers(rank, world, way, policies=("broadcast", None)):
+    """`_batchnorm_run` for each buffer policy, in one job."""
+    return {policy: _batchnorm_run(rank, world, way, policy) for policy in policies}
+
+
+def _batchnorm_run(rank, world, way, buffer_sync, steps=3):
     """BatchNormNet under zero3 trained `steps` SGD steps on this rank's slice;
     returns its buffers and an eval output on the same input on every rank."""
     torch._dynamo.reset()
@@ -97,7 +102,12 @@ def killed_peer(rank, world, timeout_s):
     return {"error": None, "seconds": time.monotonic() - start}
 
 
-def nonfinite_gradient(rank, world, strategy, policy):
+def nonfinite_gradients(rank, world, variants):
+    """`_nonfinite_run` for each (strategy, policy), in one job."""
+    return {variant: _nonfinite_run(rank, world, *variant) for variant in variants}
+
+
+def _nonfinite_run(rank, world, strategy, policy):
     """AdamW, 3 steps; at the second, a NaN appears in rank 2's gradient shard
     only (after the reduction, so no other rank sees it). Returns the
     parameters and optimizer step counts before and after that step, the
@@ -136,7 +146,12 @@ def nonfinite_gradient(rank, world, strategy, policy):
     return out
 
 
-def accumulation_without_sync(rank, world, strategy, way, micro_steps=3, steps=2):
+def accumulations_without_sync(rank, world, variants):
+    """`_accumulation_run` for each (strategy, way), in one job."""
+    return {variant: _accumulation_run(rank, world, *variant) for variant in variants}
+
+
+def _accumulation_run(rank, world, strategy, way, micro_steps=3, steps=2):
     """`micro_steps` micro-batches per step, all but the last under
     `zppc.no_sync`, against the same model accumulating with a reduction every
     micro-step (itself checked against one process elsewhere). Returns both

@@ -35,7 +35,6 @@ def test_quick_run_builds_measures_and_removes_the_cluster(tmp_path):
     assert abs(link["measured_bits_per_second"] / link["set_bits_per_second"] - 1) <= 0.2
     rows = {r["config"]: r for r in link["rows"]}
     assert set(rows) == {
-        "torch-ddp",
         "torch-fsdp2",
         "zppc-zero3",
         "zppc-zero3-qwz-int8",

@@ -11,9 +11,8 @@ WORLD = 4
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_int8_gathers_move_a_quarter_of_fp32(dtype):
-    plain = run_ranks(qwz_step_bytes, WORLD, None, dtype)
-    quant = run_ranks(qwz_step_bytes, WORLD, "int8", dtype)
-    for p, q in zip(plain, quant, strict=True):
+    for result in run_ranks(qwz_step_bytes, WORLD, dtype):
+        p, q = result[None], result["int8"]
         # The quantized gathers are exactly the payloads (values + one scale per
         # block + alignment) the schedule predicts, measured as they ran...
         assert sum(q["gather_peer_bytes"]) * (WORLD - 1) == q["stats"]["by_kind"]["all_gather"]

@@ -19,14 +19,15 @@ def _same(a: dict, b: dict) -> bool:
 @pytest.mark.parametrize(
     "way",
     [
-        "uncompiled",
         "eager",
+        pytest.param("uncompiled", marks=pytest.mark.slow),
         pytest.param("inductor", marks=[pytest.mark.inductor, pytest.mark.slow]),
     ],
 )
 def test_batchnorm_buffers_are_rank0s_on_every_rank(way):
-    synced = run_ranks(rw.batchnorm_buffers, 4, way, "broadcast", timeout=540)
-    local = run_ranks(rw.batchnorm_buffers, 4, way, None, timeout=540)
+    per_rank = run_ranks(rw.batchnorm_buffers, 4, way, timeout=540)
+    synced = [r["broadcast"] for r in per_rank]
+    local = [r[None] for r in per_rank]
     for rank, result in enumerate(synced):
         # Every buffer, counters included, is rank 0's ...
         assert _same(result["buffers"], synced[0]["buffers"]), f"rank {rank}"
@@ -69,52 +70,58 @@ def test_killed_peer_makes_the_others_fail_within_the_timeout():
     assert results[1] is None
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy", ["zero3", "ddp"])
-def test_nan_on_one_rank_skips_the_step_on_every_rank(strategy):
-    results = run_ranks(rw.nonfinite_gradient, 4, strategy, "skip", timeout=240)
-    for rank, r in enumerate(results):
-        assert _same(r["after"], r["before"]), f"rank {rank} stepped"
-        assert r["steps_after"] == r["steps_before"], f"rank {rank} advanced AdamW's state"
-        assert r["grads_kept"], "the user's gradients were not given back"
-        assert len(r["warnings"]) == 1 and "ranks [2]" in r["warnings"][0], r["warnings"]
-        assert r["skipped"] == 1
-        assert _same(r["final"], results[0]["final"])
-        assert all(torch.isfinite(p).all() for p in r["final"].values())
-        # The later steps still train.
-        assert not _same(r["final"], r["after"])
+@pytest.mark.timeout(400)
+def test_nan_on_one_rank_skips_the_step_on_every_rank_or_raises():
+    variants = [("zero3", "skip"), ("ddp", "skip"), ("zero3", "raise")]
+    per_rank = run_ranks(rw.nonfinite_gradients, 4, variants, timeout=340)
+    for variant in variants[:2]:
+        results = [r[variant] for r in per_rank]
+        for rank, r in enumerate(results):
+            assert _same(r["after"], r["before"]), f"{variant} rank {rank} stepped"
+            assert r["steps_after"] == r["steps_before"], f"{variant} rank {rank}: AdamW moved"
+            assert r["grads_kept"], "the user's gradients were not given back"
+            assert len(r["warnings"]) == 1 and "ranks [2]" in r["warnings"][0], r["warnings"]
+            assert r["skipped"] == 1
+            assert _same(r["final"], results[0]["final"])
+            assert all(torch.isfinite(p).all() for p in r["final"].values())
+            # The later steps still train.
+            assert not _same(r["final"], r["after"])
+    for r in per_rank:
+        error = r[("zero3", "raise")]["error"]
+        assert error is not None and "ranks [2]" in error, error
 
 
-@pytest.mark.timeout(300)
-def test_nan_on_one_rank_raises_on_every_rank_when_asked():
-    results = run_ranks(rw.nonfinite_gradient, 4, "zero3", "raise", timeout=240)
-    for r in results:
-        assert r["error"] is not None and "ranks [2]" in r["error"], r["error"]
+NO_SYNC_VARIANTS = {
+    "eager": [("zero3", "eager"), ("ddp", "eager")],
+    "uncompiled-and-inductor": [("zero2", "uncompiled"), ("zero3", "inductor")],
+}
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
-    "strategy, way",
+    "variants",
     [
-        ("zero3", "eager"),
-        ("ddp", "eager"),
-        pytest.param("zero2", "uncompiled", marks=pytest.mark.slow),
-        pytest.param("zero3", "inductor", marks=[pytest.mark.inductor, pytest.mark.slow]),
+        "eager",
+        pytest.param("uncompiled-and-inductor", marks=[pytest.mark.inductor, pytest.mark.slow]),
     ],
 )
-def test_no_sync_accumulation_equals_a_reduction_every_micro_step(strategy, way):
-    results = run_ranks(rw.accumulation_without_sync, 4, strategy, way, timeout=840)
-    for rank, r in enumerate(results):
+def test_no_sync_accumulation_equals_a_reduction_every_micro_step(variants):
+    variants = NO_SYNC_VARIANTS[variants]
+    per_rank = run_ranks(rw.accumulations_without_sync, 4, variants, timeout=840)
+    for (strategy, way), rank, r in [
+        (v, rank, r[v]) for rank, r in enumerate(per_rank) for v in variants
+    ]:
         deferred, synced = r["no_sync"], r["sync_every_micro_step"]
+        where = f"{strategy} {way} rank {rank}"
         # Backwards inside no_sync reduce nothing (zero3 still re-gathers weights).
         assert len(deferred["deferred_bytes"]) == 4
         for by_kind in deferred["deferred_bytes"]:
-            assert set(by_kind) <= {"all_gather"}, by_kind
-            assert strategy == "zero3" or not by_kind, by_kind
+            assert set(by_kind) <= {"all_gather"}, (where, by_kind)
+            assert strategy == "zero3" or not by_kind, (where, by_kind)
         for name, p in synced["params"].items():
             gap = (deferred["params"][name] - p).abs().max().item()
-            assert gap < 1e-6, f"rank {rank} {name}: {gap}"
-        assert "deferred by zppc.no_sync" in r["early_step_error"]
+            assert gap < 1e-6, f"{where} {name}: {gap}"
+        assert "deferred by zppc.no_sync" in r["early_step_error"], where
 
 
 @pytest.mark.timeout(400)
@@ -140,22 +147,24 @@ def _demo(tmp_path, name: str, *extra: str) -> str:
     command += ["--steps", "6", "--lowering", "eager", "--node-size", "1", "--batch-size", "2"]
     command += ["--corpus-mb", "0.5", "--checkpoint", str(tmp_path / name), "--save-every", "2"]
     done = subprocess.run(
-        command + list(extra), capture_output=True, text=True, timeout=540, cwd=tmp_path
+        command + list(extra), capture_output=True, text=True, timeout=840, cwd=tmp_path
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(900)
 def test_torchrun_restarts_the_demo_from_its_last_checkpoint(tmp_path):
-    drilled = _demo(tmp_path, "drill", "--fail-at-step", "3")
-    assert "fault drill: rank 1 kills itself at step 3" in drilled
-    assert "resumed from" in drilled and "at step 2" in drilled
-    plain = _demo(tmp_path, "plain")
-    assert "resumed" not in plain
-    # Resume is exact: the last loss and the validation loss equal the run
-    # that was never interrupted, to the printed digit.
-    final = [line for line in drilled.splitlines() if line.startswith("loss ")]
-    expected = [line for line in plain.splitlines() if line.startswith("loss ")]
-    assert final[-1].split(" -> ")[1] == expected[-1].split(" -> ")[1], (final, expected)
+    out = _demo(tmp_path, "drill", "--fail-at-step", "3", "--log-losses")
+    assert "fault drill: rank 1 kills itself at step 3" in out
+    assert "resumed from" in out and "at step 2" in out
+    losses: dict[int, list[str]] = {}
+    for line in out.splitlines():
+        if line.startswith("step "):
+            _, i, _, value = line.split()
+            losses.setdefault(int(i), []).append(value)
+    assert sorted(losses) == list(range(6)), losses
+    # Step 2 ran in both attempts: from the live state, then from the checkpoint.
+    # Resume is exact: the same loss to the printed digit (6 decimals).
+    assert len(losses[2]) == 2 and losses[2][0] == losses[2][1], losses

@@ -284,38 +284,28 @@ def meta_init(rank, world):
     }
 
 
-def qwz_step_bytes(rank, world, qwz, dtype_name):
-    """Ledger of one warm zero3 step of the tiny GPT, and the payload sizes the
-    rank's gathers should have moved."""
-    from zppc.kernels.quant import PayloadLayout
-
+def qwz_step_bytes(rank, world, dtype_name, formats=(None, "int8")):
+    """For each qwZ format: the ledger of one warm zero3 step of the tiny GPT,
+    and the bytes per peer of each gather in the schedule (one job for all)."""
     dtype = getattr(torch, dtype_name)
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = MODELS["gpt"]().to(dtype)
-    config = zppc.Config(qwz=qwz, node_size=2, lowering="eager")
-    zppc.distribute(model, config)
-    step = torch.compile(model, backend="zppc")
-    x, y = model.batch(0)
-    x, y = local_slice(x, rank, world), local_slice(y, rank, world)
-    step(x, y).backward()
-    zppc.reset_comm_stats()
-    step(x, y).backward()
-    stats = zppc.comm_stats().as_dict()
-    state = model._zppc_state
-    gathers = [c for c in zppc.inspect(step).schedule if c.kind == "all_gather"]
-    shard_numels = {spec.shard_numel for spec in state.specs.values()}
-    payloads = {
-        n: PayloadLayout(n, config.qwz_block_size, 8 if qwz == "int8" else 4).nbytes
-        if qwz
-        else n * 2
-        for n in shard_numels
-    }
-    return {
-        "stats": stats,
-        "gather_peer_bytes": [c.bytes_per_peer for c in gathers],
-        "payloads": payloads,
-    }
+    out = {}
+    for qwz in formats:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = MODELS["gpt"]().to(dtype)
+        zppc.distribute(model, zppc.Config(qwz=qwz, node_size=2, lowering="eager"))
+        step = torch.compile(model, backend="zppc")
+        x, y = model.batch(0)
+        x, y = local_slice(x, rank, world), local_slice(y, rank, world)
+        step(x, y).backward()
+        zppc.reset_comm_stats()
+        step(x, y).backward()
+        gathers = [c for c in zppc.inspect(step).schedule if c.kind == "all_gather"]
+        out[qwz] = {
+            "stats": zppc.comm_stats().as_dict(),
+            "gather_peer_bytes": [c.bytes_per_peer for c in gathers],
+        }
+    return out
 
 
 def on_grid(model) -> None:

@@ -112,7 +112,8 @@ def compile_distributed(gm, example_inputs, config: Config, state: DistributedSt
             ctx = PassContext(config, kind, record.passes[kind], state, buffer_inputs)
             graph = run_passes(graph, ctx)
             record.final[kind] = graph
-            return boxed_naming_failures(lower(graph, inputs, **kw), describe(kind, graph, config))
+            what = describe(kind, graph, config)  # before Inductor rewrites the graph
+            return boxed_naming_failures(lower(graph, inputs, **kw), what)
 
         return compiler
 
