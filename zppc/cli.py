@@ -13,16 +13,49 @@ import argparse
 import json
 import sys
 
-BYTES_PER_GBIT = 1e9 / 8
+# What `--compare` may change, and how to read its values.
+_COMPARABLE = {
+    "strategy": str,
+    "qwz": lambda v: None if v == "none" else v,
+    "qgz": lambda v: None if v == "none" else v,
+    "hpz": lambda v: v.lower() in ("1", "true", "yes", "on"),
+    "param_dtype": lambda v: None if v == "none" else v,
+    "bucket_mb": float,
+}
 
 
-def _schedule(args: argparse.Namespace) -> int:
+def _compare_overrides(spec: str) -> dict:
+    """ "zero3" or "zero3,qwz=int8,hpz=true" -> the fields it sets."""
+    overrides = {}
+    for i, part in enumerate(p for p in spec.split(",") if p):
+        key, _, value = part.partition("=")
+        if not value and i == 0:
+            key, value = "strategy", key
+        key = key.replace("-", "_")
+        if key not in _COMPARABLE:
+            raise SystemExit(
+                f"zppc schedule: --compare cannot set {key!r}; it sets {sorted(_COMPARABLE)}"
+            )
+        overrides[key] = _COMPARABLE[key](value)
+    if "strategy" in overrides and "hpz" not in overrides:
+        overrides["hpz"] = False  # "zero3" means plain zero3, not the first config's extras
+    for key in ("qwz", "qgz"):
+        if "strategy" in overrides:
+            overrides.setdefault(key, None)
+    return overrides
+
+
+def _plan(args: argparse.Namespace) -> dict:
+    """Compile one step against a fake process group; its collectives, bytes,
+    FLOPs and the predicted step time."""
     import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import zppc
+    from zppc.cost import Links, flops_per_second, graph_flops, parse_rate, parse_time, simulate
     from zppc.models import GPT, PRESETS
+    from zppc.schedule import graph_schedule
 
     if args.node_size > args.world_size:
         raise SystemExit(
@@ -32,6 +65,7 @@ def _schedule(args: argparse.Namespace) -> int:
         raise SystemExit(
             f"zppc schedule: --rank must be in [0, {args.world_size}), got {args.rank}"
         )
+    param_dtype = getattr(torch, args.param_dtype) if args.param_dtype else None
     try:
         config = zppc.Config(
             strategy=args.strategy,
@@ -42,13 +76,22 @@ def _schedule(args: argparse.Namespace) -> int:
             node_size=args.node_size,
             bucket_bytes=int(args.bucket_mb * 2**20),
             lowering="eager",
-            param_dtype=getattr(torch, args.param_dtype) if args.param_dtype else None,
+            param_dtype=param_dtype,
         )
+        links = Links(
+            parse_rate(args.intra_bw) if args.intra_gbps is None else args.intra_gbps * 1e9 / 8,
+            parse_rate(args.inter_bw) if args.inter_gbps is None else args.inter_gbps * 1e9 / 8,
+            parse_time(args.latency),
+        )
+        half = param_dtype in (torch.bfloat16, torch.float16)
+        rate = flops_per_second(args.device, args.tflops, half)
     except (ValueError, NotImplementedError) as exc:
         raise SystemExit(f"zppc schedule: {exc}") from None
+    cfg = PRESETS[args.model]
+    traced_tokens = min(args.seq, cfg.block_size)
+    torch._dynamo.reset()  # each plan compiles afresh (no recompile limit across plans)
     dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=args.world_size)
     try:
-        cfg = PRESETS[args.model]
         with torch.device("meta"):
             model = GPT(cfg)
         try:
@@ -56,77 +99,144 @@ def _schedule(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise SystemExit(f"zppc schedule: {exc}") from None
         step = torch.compile(model, backend="zppc")
-        tokens = torch.randint(0, cfg.vocab_size, (1, args.seq + 1))
+        tokens = torch.randint(0, cfg.vocab_size, (1, traced_tokens + 1))
         step(tokens[:, :-1], tokens[:, 1:]).backward()
-        schedule = zppc.inspect(step).schedule
+        graphs = [
+            (record.final[kind], graph_schedule(record.final[kind], kind, args.rank))
+            for record in zppc.inspect(step).compiles
+            for kind in ("forward", "backward")
+            if kind in record.final
+        ]
+        # The graphs were traced on `traced_tokens`; matrix products scale with tokens.
+        scale = args.tokens_per_rank / traced_tokens
+        estimate = simulate(graphs, links, rate, flop_scale=scale)
+        flops = sum(graph_flops(gm) for gm, _ in graphs) * scale
     finally:
         dist.destroy_process_group()
 
-    rows = []
-    for c in schedule:
-        seconds = c.intra_node_bytes / (args.intra_gbps * BYTES_PER_GBIT) + c.inter_node_bytes / (
-            args.inter_gbps * BYTES_PER_GBIT
-        )
-        rows.append({**c.__dict__, "predicted_seconds": seconds})
+    rows = [
+        {**c.__dict__, "predicted_seconds": links.seconds(c.intra_node_bytes, c.inter_node_bytes)}
+        for _, entries in graphs
+        for c in entries
+    ]
     totals = {
         "collectives": len(rows),
         "intra_node_bytes": sum(r["intra_node_bytes"] for r in rows),
         "inter_node_bytes": sum(r["inter_node_bytes"] for r in rows),
-        "predicted_seconds": sum(r["predicted_seconds"] for r in rows),
+        "communication_seconds": estimate.communication_seconds,
+        "flops": flops,
+        "compute_seconds": estimate.compute_seconds,
+        "step_seconds": estimate.step_seconds,
         "parameters": cfg.num_parameters,
     }
-    out = sys.stdout
-    if args.format == "json":
-        json.dump({"config": vars(args), "collectives": rows, "totals": totals}, out, indent=1)
-        out.write("\n")
-    elif args.format == "chrome":
-        events, clock = [], 0.0
-        for r in rows:
-            duration = r["predicted_seconds"] * 1e6
-            events.append(
-                {
-                    "name": f"{r['kind']} ({r['group_size']} ranks)",
-                    "ph": "X",
-                    "ts": clock,
-                    "dur": duration,
-                    "pid": args.rank,
-                    "tid": r["graph"],
-                    "args": {
-                        k: r[k] for k in ("intra_node_bytes", "inter_node_bytes", "bytes_per_peer")
-                    },
-                }
-            )
-            clock += duration
-        json.dump({"traceEvents": events}, out)
-        out.write("\n")
-    else:
-        features = [args.strategy]
-        features += [f"qwz {args.qwz}"] if args.qwz else []
-        features += ["hpz"] if args.hpz else []
-        features += [f"qgz {args.qgz}"] if args.qgz else []
-        print(
-            f"{args.model} ({cfg.num_parameters / 1e6:,.1f}M parameters), {' + '.join(features)}, "
-            f"world {args.world_size}, node {args.node_size}, rank {args.rank}; "
-            f"links {args.intra_gbps:g} Gbit/s intra, {args.inter_gbps:g} Gbit/s inter"
+    return {"config": vars(args), "collectives": rows, "totals": totals}
+
+
+def _features(args: argparse.Namespace) -> str:
+    features = [args.strategy]
+    features += [f"qwz {args.qwz}"] if args.qwz else []
+    features += ["hpz"] if args.hpz else []
+    features += [f"qgz {args.qgz}"] if args.qgz else []
+    features += [args.param_dtype] if args.param_dtype else []
+    return " + ".join(features)
+
+
+def _summary(plan: dict) -> str:
+    t = plan["totals"]
+    return (
+        f"{t['collectives']} collectives, {t['intra_node_bytes'] / 1e6:,.3f} MB intra-node, "
+        f"{t['inter_node_bytes'] / 1e6:,.3f} MB inter-node received by this rank (MB = 10^6 bytes); "
+        f"communication {t['communication_seconds'] * 1e3:,.3f} ms, compute "
+        f"{t['compute_seconds'] * 1e3:,.3f} ms ({t['flops'] / 1e9:,.3f} GFLOP), "
+        f"step {t['step_seconds'] * 1e3:,.3f} ms predicted"
+    )
+
+
+def _chrome_trace(plan: dict, rank: int) -> dict:
+    events, clock = [], 0.0
+    for r in plan["collectives"]:
+        duration = r["predicted_seconds"] * 1e6
+        events.append(
+            {
+                "name": f"{r['kind']} ({r['group_size']} ranks)",
+                "ph": "X",
+                "ts": clock,
+                "dur": duration,
+                "pid": rank,
+                "tid": r["graph"],
+                "args": {
+                    k: r[k] for k in ("intra_node_bytes", "inter_node_bytes", "bytes_per_peer")
+                },
+            }
         )
-        print(
-            f"{'graph':9s} {'#':>3s} {'kind':15s} {'ranks':>5s} {'per peer':>12s} {'intra':>14s} {'inter':>14s} {'ms':>9s}"
-        )
-        for r in rows:
-            print(
-                f"{r['graph']:9s} {r['index']:3d} {r['kind']:15s} {r['group_size']:5d} {r['bytes_per_peer']:12,d} "
-                f"{r['intra_node_bytes']:14,d} {r['inter_node_bytes']:14,d} {r['predicted_seconds'] * 1e3:9.3f}"
-            )
-        print(
-            f"total: {totals['collectives']} collectives, {totals['intra_node_bytes'] / 1e6:,.3f} MB intra-node, "
-            f"{totals['inter_node_bytes'] / 1e6:,.3f} MB inter-node received by this rank (MB = 10^6 bytes), "
-            f"{totals['predicted_seconds'] * 1e3:,.1f} ms predicted"
-        )
+        clock += duration
+    return {"traceEvents": events}
+
+
+def _schedule(args: argparse.Namespace) -> int:
+    plan = _plan(args)
+    other = None
+    if args.compare:
+        overrides = _compare_overrides(args.compare)
+        other_args = argparse.Namespace(**{**vars(args), **overrides, "compare": None})
+        other = _plan(other_args)
+    out = open(args.output, "w") if args.output else sys.stdout  # noqa: SIM115
+    try:
+        if args.format == "json":
+            document = plan if other is None else {**plan, "compare": other}
+            json.dump(document, out, indent=1)
+            out.write("\n")
+        elif args.format == "chrome":
+            json.dump(_chrome_trace(plan, args.rank), out)
+            out.write("\n")
+        else:
+            _print_table(plan, args, other, other_args if other else None, out)
+    finally:
+        if args.output:
+            out.close()
     return 0
+
+
+def _print_table(plan, args, other, other_args, out) -> None:
+    cfg_params = plan["totals"]["parameters"]
+    print(
+        f"{args.model} ({cfg_params / 1e6:,.1f}M parameters), {_features(args)}, "
+        f"world {args.world_size}, node {args.node_size}, rank {args.rank}; links "
+        f"{args.intra_bw if args.intra_gbps is None else f'{args.intra_gbps:g}Gbit/s'} intra, "
+        f"{args.inter_bw if args.inter_gbps is None else f'{args.inter_gbps:g}Gbit/s'} inter, "
+        f"latency {args.latency}; {args.tokens_per_rank} tokens per rank at "
+        f"{f'{args.tflops:g} TFLOP/s' if args.tflops else args.device}",
+        file=out,
+    )
+    print(
+        f"{'graph':9s} {'#':>3s} {'kind':15s} {'ranks':>5s} {'per peer':>12s} {'intra':>14s} {'inter':>14s} {'ms':>9s}",
+        file=out,
+    )
+    for r in plan["collectives"]:
+        print(
+            f"{r['graph']:9s} {r['index']:3d} {r['kind']:15s} {r['group_size']:5d} {r['bytes_per_peer']:12,d} "
+            f"{r['intra_node_bytes']:14,d} {r['inter_node_bytes']:14,d} {r['predicted_seconds'] * 1e3:9.3f}",
+            file=out,
+        )
+    print(f"total: {_summary(plan)}", file=out)
+    if other is not None:
+        print(f"compare ({_features(other_args)}): {_summary(other)}", file=out)
+        mine, theirs = plan["totals"], other["totals"]
+        inter = (
+            f"{mine['inter_node_bytes'] / theirs['inter_node_bytes']:.3f}x"
+            if theirs["inter_node_bytes"]
+            else "-"
+        )
+        print(
+            f"ratio: inter-node bytes {inter} of the comparison's, predicted speedup "
+            f"{theirs['step_seconds'] / mine['step_seconds']:.2f}x",
+            file=out,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     from zppc.config import STRATEGIES
+    from zppc.cost import DEVICES
     from zppc.models import PRESETS
 
     parser = argparse.ArgumentParser(
@@ -149,9 +259,34 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--param-dtype", choices=["float32", "bfloat16", "float16"], default=None)
     s.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap in MiB")
     s.add_argument("--seq", type=int, default=8, help="tokens traced (bytes do not depend on it)")
-    s.add_argument("--intra-gbps", type=float, default=2400.0, help="intra-node link, Gbit/s")
-    s.add_argument("--inter-gbps", type=float, default=100.0, help="inter-node link, Gbit/s")
+    s.add_argument(
+        "--tokens-per-rank",
+        type=int,
+        default=1024,
+        help="tokens each rank computes per step (compute time; the traced FLOPs are scaled to it)",
+    )
+    s.add_argument("--intra-bw", default="300GB/s", help="intra-node link per rank, e.g. 600GB/s")
+    s.add_argument(
+        "--inter-bw", default="100Gbit/s", help="inter-node link per rank, e.g. 100Gbit/s"
+    )
+    s.add_argument("--latency", default="5us", help="latency of every collective, e.g. 5us")
+    s.add_argument("--intra-gbps", type=float, default=None, help=argparse.SUPPRESS)
+    s.add_argument("--inter-gbps", type=float, default=None, help=argparse.SUPPRESS)
+    s.add_argument(
+        "--device",
+        default="A100",
+        choices=sorted(DEVICES),
+        help="compute rate: the device's published dense peak (16-bit with --param-dtype "
+        "bfloat16/float16, else float32)",
+    )
+    s.add_argument("--tflops", type=float, default=None, help="compute rate instead of --device")
+    s.add_argument(
+        "--compare",
+        default=None,
+        help='a second configuration to plan beside this one: "zero3", "zero3,qwz=int8,hpz=true"',
+    )
     s.add_argument("--format", choices=["table", "json", "chrome"], default="table")
+    s.add_argument("-o", "--output", default=None, help="write to this file instead of stdout")
     args = parser.parse_args(argv)
     if args.version:
         import zppc

@@ -1,0 +1,136 @@
+"""The cost model: units, FLOPs of traced graphs, the two-clock step replay,
+and the CLI flags that feed it (fake process group, one process)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from zppc.cli import main
+from zppc.cost import DEVICES, Links, graph_flops, parse_rate, parse_time
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.mark.parametrize(
+    "text, bytes_per_second",
+    [
+        ("600GB/s", 600e9),
+        ("100Gbit/s", 12.5e9),
+        ("100gbit", 12.5e9),
+        ("97.1Mbit/s", 97.1e6 / 8),
+        ("1.5e3 B/s", 1.5e3),
+    ],
+)
+def test_bandwidths_are_read_with_their_units(text, bytes_per_second):
+    assert parse_rate(text) == pytest.approx(bytes_per_second)
+
+
+def test_times_and_bad_units():
+    assert parse_time("5us") == pytest.approx(5e-6)
+    assert parse_time("1.5ms") == pytest.approx(1.5e-3)
+    assert parse_time("0") == 0.0
+    for bad in ("fast", "100", "10 parsecs"):
+        with pytest.raises(ValueError, match="cannot read the bandwidth"):
+            parse_rate(bad)
+    with pytest.raises(ValueError, match="cannot read the time"):
+        parse_time("5 fortnights")
+
+
+def test_flops_of_a_traced_graph_are_torchs_formulas():
+    def f(a, b, c):
+        return torch.mm(a, b) @ c
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(7, 5), torch.randn(5, 3), torch.randn(3, 2))
+    assert graph_flops(gm) == 2 * 7 * 5 * 3 + 2 * 7 * 3 * 2
+
+
+def test_links_cost_latency_plus_bytes_over_bandwidth():
+    links = Links(100.0, 10.0, 0.5)
+    assert links.seconds(200, 30) == pytest.approx(0.5 + 2.0 + 3.0)
+    assert set(DEVICES) >= {"V100", "A100", "H100", "H200"}
+
+
+def _plan(capsys, *flags) -> dict:
+    args = ["schedule", "gpt-tiny", "--world-size", "8", "--node-size", "4", "--format", "json"]
+    assert main(args + list(flags)) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_step_time_replays_the_final_graphs(capsys):
+    slow_links = _plan(capsys, "--inter-bw", "1Mbit/s", "--tflops", "1e-3")["totals"]
+    # zppc waits for each collective right after issuing it, so nothing overlaps
+    # yet: the replayed step is the sum of compute and communication.
+    assert slow_links["step_seconds"] == pytest.approx(
+        slow_links["compute_seconds"] + slow_links["communication_seconds"]
+    )
+    assert slow_links["flops"] > 0 and slow_links["compute_seconds"] > 0
+    # Twice the tokens, twice the compute; links ten times faster, a tenth of
+    # the bandwidth time.
+    doubled = _plan(
+        capsys, "--inter-bw", "1Mbit/s", "--tflops", "1e-3", "--tokens-per-rank", "2048"
+    )["totals"]
+    assert doubled["compute_seconds"] == pytest.approx(2 * slow_links["compute_seconds"])
+    assert doubled["inter_node_bytes"] == slow_links["inter_node_bytes"]
+    fast = _plan(
+        capsys,
+        "--inter-bw",
+        "10Mbit/s",
+        "--intra-bw",
+        "3000GB/s",
+        "--latency",
+        "0",
+        "--tflops",
+        "1e-3",
+    )["totals"]
+    slow = _plan(
+        capsys,
+        "--inter-bw",
+        "1Mbit/s",
+        "--intra-bw",
+        "300GB/s",
+        "--latency",
+        "0",
+        "--tflops",
+        "1e-3",
+    )["totals"]
+    assert fast["communication_seconds"] == pytest.approx(slow["communication_seconds"] / 10)
+
+
+def test_half_precision_uses_the_devices_tensor_rate(capsys):
+    fp32 = _plan(capsys, "--device", "A100")["totals"]
+    bf16 = _plan(capsys, "--device", "A100", "--param-dtype", "bfloat16")["totals"]
+    assert fp32["flops"] == pytest.approx(bf16["flops"])
+    ratio = DEVICES["A100"][0] / DEVICES["A100"][1]
+    assert fp32["compute_seconds"] == pytest.approx(bf16["compute_seconds"] * ratio)
+
+
+def test_compare_plans_both_and_prints_the_ratios(capsys, tmp_path):
+    args = ["schedule", "gpt-tiny", "--world-size", "16", "--node-size", "4"]
+    args += ["--qwz", "int8", "--hpz", "--qgz", "int4", "--param-dtype", "bfloat16"]
+    assert main(args + ["--compare", "zero3"]) == 0
+    text = capsys.readouterr().out
+    assert "compare (zero3 + bfloat16)" in text and "ratio: inter-node bytes" in text
+    out = tmp_path / "plan.json"
+    assert main(args + ["--compare", "zero3", "--format", "json", "-o", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    mine, theirs = plan["totals"], plan["compare"]["totals"]
+    assert plan["compare"]["config"]["qwz"] is None and plan["compare"]["config"]["hpz"] is False
+    assert mine["inter_node_bytes"] < theirs["inter_node_bytes"]
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--inter-bw", "fast"], "cannot read the bandwidth"),
+        (["--latency", "soon"], "cannot read the time"),
+        (["--compare", "zero3,warp=9"], "cannot set 'warp'"),
+        (["--tflops", "-1"], "--tflops must be positive"),
+    ],
+)
+def test_bad_flags_are_clear_errors(flags, words):
+    with pytest.raises(SystemExit, match=words):
+        main(["schedule", "gpt-tiny", "--world-size", "8", "--node-size", "4", *flags])

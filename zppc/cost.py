@@ -1,0 +1,159 @@
+"""The cost model of one training step: links, compute and their overlap.
+
+Communication: each collective costs the links' latency plus the bytes this
+rank receives over each link class divided by that link's bandwidth (intra- and
+inter-node bytes come from the schedule, which matches the live ledger).
+Compute: the FLOPs of the final graphs' matrix products (torch's own FLOP
+formulas, on the traced shapes) at a stated rate. The step time replays each
+final graph in program order on two clocks, compute and communication: a
+collective starts when it is issued and its link is free, and a wait holds
+compute until the collective it waits for is done. With every wait right after
+its issue (zppc today) that is the serial sum; any overlap a pass creates
+shows up as a shorter step.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from torch import fx
+from torch.utils.flop_counter import flop_registry
+
+# Published dense peak FLOP/s, (16-bit tensor cores, float32): NVIDIA's data
+# sheets (V100 SXM2, A100 SXM4, H100 SXM5, H200 SXM).
+DEVICES = {
+    "V100": (125e12, 15.7e12),
+    "A100": (312e12, 19.5e12),
+    "H100": (989e12, 67e12),
+    "H200": (989e12, 67e12),
+}
+
+_RATE_UNITS = {
+    "bit/s": 1 / 8,
+    "kbit/s": 1e3 / 8,
+    "mbit/s": 1e6 / 8,
+    "gbit/s": 1e9 / 8,
+    "tbit/s": 1e12 / 8,
+    "b/s": 1.0,
+    "kb/s": 1e3,
+    "mb/s": 1e6,
+    "gb/s": 1e9,
+    "tb/s": 1e12,
+}
+_TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+
+def parse_rate(text: str) -> float:
+    """Bytes per second from "600GB/s", "100Gbit/s" or "100gbit" (bits: "bit";
+    bytes: "B"; decimal prefixes)."""
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?\d+)?)\s*([a-zA-Z]+)(/s)?\s*", text)
+    unit = (match.group(2) + "/s").lower() if match else ""
+    if not match or unit not in _RATE_UNITS:
+        raise ValueError(
+            f"cannot read the bandwidth {text!r}: write a number and a unit such as 600GB/s or 100Gbit/s"
+        )
+    return float(match.group(1)) * _RATE_UNITS[unit]
+
+
+def parse_time(text: str) -> float:
+    """Seconds from "5us", "1.5ms" or "0"."""
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?\d+)?)\s*([a-zµ]*)\s*", text)
+    if not match or (match.group(2) or "s") not in _TIME_UNITS:
+        raise ValueError(f"cannot read the time {text!r}: write a number and s, ms, us or ns")
+    return float(match.group(1)) * _TIME_UNITS[match.group(2) or "s"]
+
+
+@dataclass(frozen=True)
+class Links:
+    """Per-rank link speeds (bytes/s) and the latency every collective pays."""
+
+    intra_bytes_per_second: float
+    inter_bytes_per_second: float
+    latency_seconds: float = 0.0
+
+    def seconds(self, intra_bytes: int, inter_bytes: int) -> float:
+        return (
+            self.latency_seconds
+            + intra_bytes / self.intra_bytes_per_second
+            + inter_bytes / self.inter_bytes_per_second
+        )
+
+
+def node_flops(node: fx.Node) -> int:
+    """FLOPs of one graph node by torch's formulas (0 for ops without one)."""
+    if node.op != "call_function":
+        return 0
+    formula = flop_registry.get(getattr(node.target, "overloadpacket", node.target))
+    if formula is None:
+        return 0
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+    try:
+        return int(formula(*args, **kwargs, out_val=node.meta.get("val")))
+    except (TypeError, AttributeError, RuntimeError):
+        return 0
+
+
+def graph_flops(gm: fx.GraphModule) -> int:
+    return sum(node_flops(n) for n in gm.graph.nodes)
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    compute_seconds: float
+    communication_seconds: float
+    step_seconds: float
+
+    @property
+    def hidden_fraction(self) -> float:
+        """Share of the smaller of compute and communication hidden behind the other."""
+        smaller = min(self.compute_seconds, self.communication_seconds)
+        if smaller == 0:
+            return 0.0
+        return (self.compute_seconds + self.communication_seconds - self.step_seconds) / smaller
+
+
+def simulate(
+    graphs: list[tuple[fx.GraphModule, list]],
+    links: Links,
+    flops_per_second: float,
+    flop_scale: float = 1.0,
+) -> StepEstimate:
+    """Replay `graphs` (each with its schedule entries, in program order) on a
+    compute clock and a communication clock."""
+    from zppc.passes.zero import find_collectives
+
+    compute = comm_free = 0.0
+    busy_compute = busy_comm = 0.0
+    for gm, entries in graphs:
+        matches = find_collectives(gm.graph)
+        done_at: dict[fx.Node, float] = {}
+        issue_of = {m.issue: (m, e) for m, e in zip(matches, entries, strict=True)}
+        wait_of = {m.wait: m for m in matches}
+        for node in gm.graph.nodes:
+            if node in issue_of:
+                m, entry = issue_of[node]
+                cost = links.seconds(entry.intra_node_bytes, entry.inter_node_bytes)
+                start = max(compute, comm_free)
+                comm_free = done_at[m.wait] = start + cost
+                busy_comm += cost
+            elif node in wait_of:
+                compute = max(compute, done_at[node])
+            else:
+                cost = node_flops(node) * flop_scale / flops_per_second
+                compute += cost
+                busy_compute += cost
+    return StepEstimate(busy_compute, busy_comm, max(compute, comm_free))
+
+
+def flops_per_second(device: str | None, tflops: float | None, half_precision: bool) -> float:
+    """The compute rate: `tflops` if given, else the device's published peak for
+    the parameter dtype."""
+    if tflops is not None:
+        if tflops <= 0:
+            raise ValueError(f"--tflops must be positive, got {tflops}")
+        return tflops * 1e12
+    if device not in DEVICES:
+        raise ValueError(f"unknown device {device!r}; known: {sorted(DEVICES)}")
+    tensor, fp32 = DEVICES[device]
+    return tensor if half_precision else fp32
