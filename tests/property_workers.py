@@ -8,7 +8,7 @@ import copy
 import torch
 import torch.nn.functional as F
 from torch import nn
-from workers import local_slice, make_optimizer
+from workers import distributed_step, make_optimizer
 
 import zppc
 
@@ -64,13 +64,7 @@ def train_random_model(rank, world, spec: dict, config: dict, optimizer: str, st
     losses, ref_losses = [], []
     for i in range(steps):
         x, y = batch(i, spec["widths"])
-        loss = step(local_slice(x, rank, world), local_slice(y, rank, world))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        torch.distributed.all_reduce(total)
-        losses.append(total.item() / world)
+        losses.append(distributed_step(step, opt, x, y, rank, world))
         ref_loss = reference(x, y)
         ref_loss.backward()
         ref_opt.step()
