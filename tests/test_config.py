@@ -46,6 +46,10 @@ def test_config_is_frozen():
         (dict(qgz="int8", qgz_intra_node="int4", qgz_block=33), ["qgz_block", "even"]),
         (dict(qgz="int8", qgz_quantize="no"), ["qgz_quantize"]),
         (dict(strategy="rtp", qgz="int4"), ["rtp", "qgz"]),
+        (dict(timeout_s=0), ["timeout_s", "0"]),
+        (dict(timeout_s=float("inf")), ["timeout_s", "inf"]),
+        (dict(buffer_sync="average"), ["buffer_sync", "average"]),
+        (dict(nonfinite_grads="ignore"), ["nonfinite_grads", "ignore"]),
     ],
 )
 def test_bad_values_name_the_field(kwargs, words):

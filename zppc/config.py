@@ -122,10 +122,12 @@ class Config:
     after the update instead of before the next forward, so ranks never
     disagree when a user looks); None lets each rank keep its own."""
 
-    timeout_s: float = 300.0
+    timeout_s: float = 600.0
     """Seconds any collective zppc issues may wait before every waiting rank
-    raises an error naming the operation (gloo's default is 30 minutes). Set on
-    the process groups zppc runs its collectives on."""
+    raises an error naming the operation (gloo's default is 30 minutes; this is
+    NCCL's 10). Set on the process groups zppc runs its collectives on. It must
+    cover the skew of first compiles across ranks: a rank that finishes
+    compiling a graph waits in its first collective for the slowest one."""
 
     nonfinite_grads: str | None = "skip"
     """Before each optimizer step on this model's parameters, check the
