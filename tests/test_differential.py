@@ -128,18 +128,24 @@ def test_models_under_both_lowerings():
     run_matrix(2, cases, timeout=1440)
 
 
-# (world, models, optimizers, micro-steps): 55 cases on 2 ranks, 15 on 4.
+# (world, models, optimizers, micro-steps) per strategy. The 4-rank size runs
+# the two models whose numerics depend most on the layout (tied embeddings,
+# per-rank batch statistics); the padded MLP has its own 4-rank case above.
 SLOW_MATRIX = {
     "2 ranks": (2, ((ALL_MODELS, "sgd"), (ADAM_MODELS, "adamw")), 2),
-    "4 ranks": (4, ((("gpt", "batchnorm", "mlp"), "sgd"),), 1),
+    "4 ranks": (4, ((("gpt", "batchnorm"), "sgd"),), 1),
 }
+# qgZ's exact mode is checked against reduce-scatter for every strategy in
+# tests/test_qgz.py and under both lowerings above; the full matrix runs
+# qgZ quantized within "zeropp".
+FULL_MATRIX_STRATEGIES = [s for s in STRATEGIES if s != "qgz-exact"]
 
 
 @pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.inductor
 @pytest.mark.timeout(2400)
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("strategy", FULL_MATRIX_STRATEGIES)
 @pytest.mark.parametrize("size", list(SLOW_MATRIX))
 def test_full_matrix(size, strategy):
     world, runs, micro_steps = SLOW_MATRIX[size]
