@@ -134,3 +134,31 @@ def test_compare_plans_both_and_prints_the_ratios(capsys, tmp_path):
 def test_bad_flags_are_clear_errors(flags, words):
     with pytest.raises(SystemExit, match=words):
         main(["schedule", "gpt-tiny", "--world-size", "8", "--node-size", "4", *flags])
+
+
+@pytest.mark.multiproc
+def test_planned_bytes_equal_a_live_ledger(capsys):
+    """The CLI plans on meta tensors under a fake process group; its bytes must
+    be what 4 live gloo ranks (2 nodes x 2) count for the same model."""
+    from spawn import run_ranks
+    from workers import gpt_step_ledger
+
+    config = dict(node_size=2, qwz="int8", hpz=True, qgz="int4")
+    live = run_ranks(gpt_step_ledger, 4, config, timeout=280)
+    for rank in (0, 3):
+        flags = ["schedule", "gpt-tiny", "--world-size", "4", "--node-size", "2"]
+        flags += [
+            "--qwz",
+            "int8",
+            "--hpz",
+            "--qgz",
+            "int4",
+            "--rank",
+            str(rank),
+            "--format",
+            "json",
+        ]
+        assert main(flags) == 0
+        planned = json.loads(capsys.readouterr().out)["totals"]
+        assert planned["intra_node_bytes"] == live[rank]["intra_node_bytes"]
+        assert planned["inter_node_bytes"] == live[rank]["inter_node_bytes"]

@@ -480,3 +480,19 @@ def parameter_free_graph(rank, world):
         "losses": (compiled_loss.item(), eager_loss.item()),
         "records": len(zppc.inspect(step).compiles),
     }
+
+
+def gpt_step_ledger(rank, world, config_kwargs):
+    """The ledger of one warm training step of the demo's gpt-tiny."""
+    from zppc.models import GPT, PRESETS
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cfg = PRESETS["gpt-tiny"]
+    model = zppc.distribute(GPT(cfg), zppc.Config(lowering="eager", **config_kwargs))
+    step = torch.compile(model, backend="zppc")
+    tokens = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(rank))
+    step(tokens[:, :-1], tokens[:, 1:]).backward()
+    zppc.reset_comm_stats()
+    step(tokens[:, :-1], tokens[:, 1:]).backward()
+    return zppc.comm_stats().as_dict()

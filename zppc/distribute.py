@@ -640,7 +640,10 @@ def _check_meta(model: nn.Module) -> None:
 def _materialize_meta(module: nn.Module) -> None:
     """Real storage and the module's own initialization for a meta-device module
     (checked beforehand by `_check_meta`; tensors it shares are sharded by now)."""
-    if not any(t.is_meta for t in _own_tensors(module)):
+    if not any(t.is_meta for t in _own_tensors(module)) or dist.get_backend() == "fake":
+        # Under the fake process group (planning: `zppc schedule`) values mean
+        # nothing and a paper-scale model would not fit anywhere: shards stay
+        # on meta and the planned step runs on shapes only.
         return
     device = torch.device("cpu")
     if dist.get_backend() == "nccl":
@@ -654,7 +657,7 @@ def _materialize_meta(module: nn.Module) -> None:
 def _broadcast_from_rank0(module: nn.Module) -> None:
     """One flat broadcast per dtype of a module's own tensors, so that every rank
     starts from rank 0's values (shards already taken are left alone)."""
-    tensors = [t for t in _own_tensors(module) if not isinstance(t, DTensor)]
+    tensors = [t for t in _own_tensors(module) if not isinstance(t, DTensor) and not t.is_meta]
     by_dtype: dict[torch.dtype, list[Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)

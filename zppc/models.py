@@ -34,6 +34,9 @@ PRESETS = {
     "gpt-medium": GPTConfig(block_size=256, n_layer=8, n_head=8, n_embd=512),
     "gpt2-124m": GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),
     "gpt2-1.5b": GPTConfig(vocab_size=50304, block_size=1024, n_layer=48, n_head=25, n_embd=1600),
+    # The ZeRO++ paper's 18B model (40 layers, hidden 6144, 32 heads): planned by
+    # `zppc schedule` on meta tensors, never materialized.
+    "gpt-18b": GPTConfig(vocab_size=50304, block_size=1024, n_layer=40, n_head=32, n_embd=6144),
 }
 
 
