@@ -45,6 +45,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block", type=int, default=128)
     p.add_argument("--lowering", default="eager", choices=["eager", "inductor"])
     p.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=None,
+        help="zppc's bucket cap in MiB (default: Config's 25); overlap needs several buckets per graph",
+    )
+    p.add_argument(
         "--configs",
         default=None,
         help="comma-separated subset of (default: all): " + ", ".join(CONFIGS),
@@ -88,6 +94,8 @@ def run_config(cluster: EmulatedCluster, name: str, args) -> dict:
             f"--lowering={args.lowering}",
             f"--result={result_path}",
         ]
+        if args.bucket_mb is not None:
+            script.append(f"--bucket-mb={args.bucket_mb}")
         before = cluster.bytes_left_nodes()
         start = time.monotonic()
         cluster.launch(
@@ -183,6 +191,41 @@ def print_table(report: dict, args) -> None:
                 f"| {r['peak_rss_bytes_per_rank'] / 2**20:,.0f} | {r['final_loss']:.4f} |"
             )
         print()
+    print_overlap(report)
+
+
+def print_overlap(report: dict) -> None:
+    """How much communication each configuration hid behind compute, per link:
+    (compute + communication - step) / min(compute, communication), with
+    compute = the same configuration's step on the fastest link of this run
+    (its communication is smallest there; an upper bound on compute-only) and
+    communication = its wire bytes per node and step over the measured link
+    rate (the time the link alone needs)."""
+    if len(report["links"]) < 2:
+        return
+    fastest = max(report["links"], key=lambda link: link["measured_bits_per_second"])
+    compute = {
+        r["config"]: r["median_step_seconds"] for r in fastest["rows"] if r["status"] == "ok"
+    }
+    nodes = int(report["args"]["nodes"])
+    print(f"### communication hidden behind compute (compute: step at {fastest['rate']})\n")
+    print("| link | configuration | step (s) | compute (s) | link time (s) | hidden |")
+    print("|---|---|---:|---:|---:|---:|")
+    for link in report["links"]:
+        if link is fastest:
+            continue
+        for r in link["rows"]:
+            if r["status"] != "ok" or r["config"] not in compute:
+                continue
+            step, busy = r["median_step_seconds"], compute[r["config"]]
+            wire = r["wire_bytes"] / r["timed_steps"] / nodes * 8
+            comm = wire / link["measured_bits_per_second"]
+            hidden = (busy + comm - step) / min(busy, comm) if min(busy, comm) > 0 else 0.0
+            print(
+                f"| {link['rate']} | {r['config']} | {step:.3f} | {busy:.3f} | {comm:.3f} "
+                f"| {hidden:.0%} |"
+            )
+    print()
 
 
 def plot(report: dict, path: Path) -> None:

@@ -28,6 +28,11 @@ CONFIGS: dict[str, tuple[str, dict | None]] = {
     "deepspeed-zero3-qwz-qgz": ("deepspeed", {"hpz": True, "quantized": True}),
     "zppc-ddp": ("zppc", {"strategy": "ddp"}),
     "zppc-zero3": ("zppc", {"strategy": "zero3"}),
+    # The overlap pass off: every collective waited right after its issue.
+    "zppc-zero3-serial": ("zppc", {"strategy": "zero3", "disable_passes": ("overlap",)}),
+    # Weights kept gathered from forward to backward (what DeepSpeed's
+    # prefetcher does for a model this small; FSDP2's reshard_after_forward=False).
+    "zppc-zero3-keep": ("zppc", {"strategy": "zero3", "keep_gathered_bytes": 2**30}),
     "zppc-zero3-qwz-int8": ("zppc", {"strategy": "zero3", "qwz": "int8"}),
     "zppc-zero3-qwz-int4": ("zppc", {"strategy": "zero3", "qwz": "int4"}),
     "zppc-zero3-hpz": ("zppc", {"strategy": "zero3", "hpz": True}),
@@ -104,6 +109,8 @@ def build(name: str, model, args):
         return engine, opt
     import zppc
 
+    if args.bucket_mb is not None:
+        fields = {**fields, "bucket_bytes": int(args.bucket_mb * 2**20)}
     config = zppc.Config(
         **fields, lowering=args.lowering, node_size=int(os.environ["LOCAL_WORLD_SIZE"])
     )
@@ -121,6 +128,7 @@ def main() -> None:
     p.add_argument("--block", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--lowering", default="eager")
+    p.add_argument("--bucket-mb", type=float, default=None)
     p.add_argument("--result", required=True)
     args = p.parse_args()
     torch.set_num_threads(1)

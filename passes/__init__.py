@@ -17,7 +17,7 @@ from torch import fx
 
 # Every pass zppc knows, in pipeline order. Config.disable_passes is checked
 # against this tuple, so it must not import anything heavy.
-PASS_NAMES = ("dedupe_unshard", "zero", "qwz", "bucket", "qgz", "sync_buffers")
+PASS_NAMES = ("dedupe_unshard", "zero", "qwz", "bucket", "qgz", "sync_buffers", "overlap")
 
 log = logging.getLogger("zppc.passes")
 
@@ -64,6 +64,7 @@ def build_passes(config) -> list[GraphPass]:
     """The ordered pass list for `config`."""
     from zppc.passes.bucket import bucket_pass
     from zppc.passes.dedupe import dedupe_unshard_pass
+    from zppc.passes.overlap import overlap_pass
     from zppc.passes.qgz import qgz_pass
     from zppc.passes.qwz import qwz_pass
     from zppc.passes.sync_buffers import sync_buffers_pass
@@ -80,6 +81,7 @@ def build_passes(config) -> list[GraphPass]:
         passes.append(GraphPass("qgz", qgz_pass, ("backward",)))
     if config.buffer_sync is not None:
         passes.append(GraphPass("sync_buffers", sync_buffers_pass, ("forward",)))
+    passes.append(GraphPass("overlap", overlap_pass, ("forward", "backward")))
     return [p for p in passes if p.name not in config.disable_passes]
 
 

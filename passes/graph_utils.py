@@ -75,8 +75,13 @@ class GraphBuilder:
     def __init__(self, gm: fx.GraphModule, anchor: fx.Node):
         self.graph = gm.graph
         self.anchor = anchor
-        vals = [node_value(n) for n in gm.graph.nodes]
-        self.fake_mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+        # Found once per graph: a scan per builder made passes quadratic.
+        if "zppc_fake_mode" not in gm.meta:
+            vals = [node_value(n) for n in gm.graph.nodes]
+            gm.meta["zppc_fake_mode"] = detect_fake_mode(
+                [v for v in vals if isinstance(v, torch.Tensor)]
+            )
+        self.fake_mode = gm.meta["zppc_fake_mode"]
 
     def call(self, target, *args, **kwargs) -> fx.Node:
         with self.graph.inserting_before(self.anchor):

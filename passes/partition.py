@@ -14,6 +14,8 @@ shard over the node instead (see `regather_in_backward`).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import fx
 from torch._functorch.partitioners import default_partition
@@ -57,8 +59,46 @@ def _regathers(node: fx.Node) -> bool:
     return node.target in VIEW_OPS and _regathers(node.args[0])
 
 
+def gathered_bytes(unshard: fx.Node) -> int:
+    """Bytes of the full weight a `zppc::unshard` materializes."""
+    shard_val = unshard.args[0].meta["val"]
+    dtype = unshard.args[4] or shard_val.dtype
+    return math.prod(unshard.args[1]) * dtype.itemsize
+
+
+def weights_to_keep(needed: list[fx.Node], budget: int) -> set[fx.Node]:
+    """The zero3 gathers (of those the backward `needed`, in forward order)
+    whose full weights the forward saves for backward instead of re-gathering:
+    the last gathered in forward first (the backward needs them first, before
+    any compute could hide their re-gather), while their gathered bytes fit in
+    `budget`."""
+    kept: set[fx.Node] = set()
+    for node in reversed(needed):
+        size = gathered_bytes(node)
+        if size > budget:
+            break
+        kept.add(node)
+        budget -= size
+    return kept
+
+
+def order_of(graph: fx.Graph):
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    return position.__getitem__
+
+
+def _root_gather(node: fx.Node) -> fx.Node:
+    while node.target != UNSHARD:
+        node = node.args[0]
+    return node
+
+
 def regather_in_backward(
-    joint: fx.GraphModule, num_fwd_outputs: int, hpz_group: str | None = None
+    joint: fx.GraphModule,
+    num_fwd_outputs: int,
+    hpz_group: str | None = None,
+    keep_gathered_bytes: int = 0,
+    kept: list | None = None,
 ) -> int:
     """Give backward users their own copies of zero3 gathers; returns how many.
 
@@ -66,9 +106,24 @@ def regather_in_backward(
     (`hpz_group`: the intra-node group) the forward keeps a secondary shard of
     the gathered weight over the node right after the gather, and the copy
     gathers that inside the node: the partition saves the secondary shard.
+    Weights chosen by `weights_to_keep` within `keep_gathered_bytes` are left
+    alone (the forward saves them); their (shape, bytes) go into `kept`.
     """
     graph = joint.graph
     fwd = forward_nodes(graph, num_fwd_outputs)
+    uses = [
+        (node, inp)
+        for node in graph.nodes
+        if node not in fwd and node.op == "call_function"
+        for inp in node.all_input_nodes
+        if inp in fwd and _regathers(inp)
+    ]
+    needed = list(
+        dict.fromkeys(sorted({_root_gather(inp) for _, inp in uses}, key=order_of(graph)))
+    )
+    keep = weights_to_keep(needed, keep_gathered_bytes)
+    if kept is not None:
+        kept.extend((tuple(n.args[1]), gathered_bytes(n)) for n in keep)
     copies: dict[fx.Node, fx.Node] = {}
 
     def regather(node: fx.Node, before: fx.Node) -> fx.Node:
@@ -96,12 +151,9 @@ def regather_in_backward(
             copies[node] = new
         return copies[node]
 
-    for node in list(graph.nodes):
-        if node in fwd or node.op != "call_function":
-            continue
-        for inp in node.all_input_nodes:
-            if inp in fwd and _regathers(inp):
-                node.replace_input_with(inp, copy_chain(inp, node))
+    for node, inp in uses:
+        if _root_gather(inp) not in keep:
+            node.replace_input_with(inp, copy_chain(inp, node))
     graph.lint()
     return sum(1 for n in copies if n.target == UNSHARD)
 
@@ -112,9 +164,11 @@ def zppc_partition(
     *,
     num_fwd_outputs: int,
     hpz_group: str | None = None,
+    keep_gathered_bytes: int = 0,
+    kept: list | None = None,
     **kwargs,
 ):
-    regather_in_backward(joint, num_fwd_outputs, hpz_group)
+    regather_in_backward(joint, num_fwd_outputs, hpz_group, keep_gathered_bytes, kept)
     return default_partition(
         joint,
         joint_inputs,

@@ -22,9 +22,10 @@ tensor too):
    divided by W first, that is the true mean (DeepSpeed divides by K only);
 4. cast to the reduce-scatter's dtype.
 
-Each inter-node hop's wait, and all that uses its result, moves to the end of
-the backward: bucket i's inter-node hop is in flight while the backward goes on
-and bucket i+1 takes its intra-node hop (the two hops pipelined).
+The `overlap` pass then moves each inter-node hop's wait, and all that uses its
+result, to the end of the backward: bucket i's inter-node hop is in flight
+while the backward goes on and bucket i+1 takes its intra-node hop (the two
+hops pipelined).
 
 With `qgz_error_feedback`, each hop adds the residual it left at the previous
 step (per bucket, in the model's store) before quantizing, and keeps the new
@@ -106,8 +107,6 @@ def qgz_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             node_sums = b.call(aten.view.default, first.run(b, rows), [nodes, shard])
             total = second.run(b, node_sums)
         m.replace_with(cast(b, total, m.dtype))
-    for wait in second.waits:
-        defer_until_output(wait)
     return gm
 
 
@@ -135,22 +134,6 @@ def compile_index(ctx) -> int:
     return len(ctx.state.compiles) - 1 if ctx.state is not None else 0
 
 
-def defer_until_output(wait: fx.Node) -> None:
-    """Move `wait` and everything computed from it to just before the graph's
-    output, in order. An inter-node hop then stays in flight while the rest of
-    the backward runs, including the next bucket's intra-node hop: the two hops
-    of consecutive buckets are pipelined."""
-    (output,) = wait.graph.find_nodes(op="output")
-    downstream, stack = {wait}, [wait]
-    while stack:
-        for user in stack.pop().users:
-            if user.op != "output" and user not in downstream:
-                downstream.add(user)
-                stack.append(user)
-    for node in [n for n in wait.graph.nodes if n in downstream]:
-        output.prepend(node)
-
-
 class Hop:
     """One all-to-all hop over `group_name`: row p of a [P, n] tensor goes to
     group rank p, quantized in `fmt` (None: as it is), and the P rows received
@@ -159,7 +142,6 @@ class Hop:
     def __init__(self, group_name: str, fmt: str | None, config):
         self.group_name, self.fmt = group_name, fmt
         self.quant = dict(block=config.qgz_block_size, bits=BITS[fmt]) if fmt else None
-        self.waits: list[fx.Node] = []
         self.feedback: tuple[int, str] | None = None
         """(store id, key) of this hop's error-feedback residual, per bucket."""
 
@@ -211,7 +193,6 @@ class Hop:
             self.group_name,
         )
         received.meta[UNQUANTIZED_BYTES] = unquantized_bytes
-        self.waits.append(received)
         return received
 
     def sum(self, b: GraphBuilder, received: fx.Node, numel: int) -> fx.Node:

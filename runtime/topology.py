@@ -85,9 +85,17 @@ _GROUPS: dict[tuple, tuple[list[dist.ProcessGroup], Groups]] = {}
 _NODE_SIZE: dict[tuple[int, str], int] = {}
 
 
+_SEEN_WORLDS: dict[int, dist.ProcessGroup] = {}
+
+
 def world_epoch() -> int:
-    """Identifies the current default process group (changes when it is re-created)."""
-    return id(dist.distributed_c10d._get_default_group())
+    """Identifies the current default process group (changes when it is
+    re-created). The groups seen are kept referenced, so that a destroyed
+    group's id is never reused by a new one (caches keyed by it would return
+    the dead group's subgroups)."""
+    world = dist.distributed_c10d._get_default_group()
+    _SEEN_WORLDS.setdefault(id(world), world)
+    return id(world)
 
 
 def node_size_of(group_name: str) -> int | None:

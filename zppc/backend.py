@@ -103,6 +103,11 @@ def compile_distributed(gm, example_inputs, config: Config, state: DistributedSt
     register_compile(record, state)
     gm = run_passes(gm, PassContext(config, "dynamo", record.passes["dynamo"], state))
     hpz_group = state.groups.intra_node if config.hpz else None
+    partition_options = dict(
+        hpz_group=hpz_group,
+        keep_gathered_bytes=config.keep_gathered_bytes,
+        kept=record.kept_gathered,
+    )
     buffer_ids = state.buffer_ids() if state is not None else set()
     buffer_inputs = tuple(i for i, t in enumerate(example_inputs) if id(t) in buffer_ids)
 
@@ -129,7 +134,7 @@ def compile_distributed(gm, example_inputs, config: Config, state: DistributedSt
         return aot_autograd(
             fw_compiler=fw,
             bw_compiler=lambda g, i: bw(g, i, is_backward=True),
-            partition_fn=partial(zppc_partition, hpz_group=hpz_group),
+            partition_fn=partial(zppc_partition, **partition_options),
             keep_inference_input_mutations=True,
         )(gm, example_inputs)
 
@@ -142,13 +147,24 @@ def compile_distributed(gm, example_inputs, config: Config, state: DistributedSt
     # There a ddp weight is `unshard`'s fresh output; after the `zero` pass it is
     # an alias of the parameter, whose storage the backward must never reuse.
     donation_is_sound = config.strategy != "ddp"
+    # Inductor's peak-memory reordering moves every gather down to its use and
+    # every wait up to its collective, undoing the `overlap` pass; that pass's
+    # order is already memory-bounded (at most prefetch + 1 gathered buckets).
+    # The patch wraps each graph's own compile: the backward compiles lazily,
+    # at the first backward, outside any context set up here.
+    keep_overlap_order = "overlap" not in config.disable_passes
+
+    def inner_compile(graph, inputs, **kw):
+        with inductor_config.patch(reorder_for_peak_memory=not keep_overlap_order):
+            return compile_fx_inner(graph, inputs, **kw)
+
     with (
         inductor_config.patch(
-            custom_partitioner_fn=_ZppcPartitioner(hpz_group), fx_graph_cache=False
+            custom_partitioner_fn=_ZppcPartitioner(partition_options), fx_graph_cache=False
         ),
         functorch_config.patch(enable_autograd_cache=False, donated_buffer=donation_is_sound),
     ):
-        return compile_fx(gm, example_inputs, inner_compile=passes_then(compile_fx_inner))
+        return compile_fx(gm, example_inputs, inner_compile=passes_then(inner_compile))
 
 
 def describe(kind: str, gm: fx.GraphModule, config: Config) -> str:
@@ -205,11 +221,11 @@ def _wrap_parameters_for_ddp(gm: fx.GraphModule, example_inputs, config: Config)
 class _ZppcPartitioner(CustomPartitionerFn):
     """zppc_partition in the form Inductor's config accepts."""
 
-    def __init__(self, hpz_group: str | None):
-        self.hpz_group = hpz_group
+    def __init__(self, options: dict):
+        self.options = options
 
     def __call__(self, gm, joint_inputs, **kwargs):
-        return zppc_partition(gm, joint_inputs, hpz_group=self.hpz_group, **kwargs)
+        return zppc_partition(gm, joint_inputs, **self.options, **kwargs)
 
     def uuid(self):
         return None  # never reuse cached code: the passes depend on the Config

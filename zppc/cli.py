@@ -21,6 +21,8 @@ _COMPARABLE = {
     "hpz": lambda v: v.lower() in ("1", "true", "yes", "on"),
     "param_dtype": lambda v: None if v == "none" else v,
     "bucket_mb": float,
+    "prefetch": int,
+    "keep_gathered_mb": float,
 }
 
 
@@ -39,6 +41,8 @@ def _compare_overrides(spec: str) -> dict:
         overrides[key] = _COMPARABLE[key](value)
     if "strategy" in overrides and "hpz" not in overrides:
         overrides["hpz"] = False  # "zero3" means plain zero3, not the first config's extras
+    if "strategy" in overrides:
+        overrides.setdefault("keep_gathered_mb", 0.0)
     for key in ("qwz", "qgz"):
         if "strategy" in overrides:
             overrides.setdefault(key, None)
@@ -75,6 +79,8 @@ def _plan(args: argparse.Namespace) -> dict:
             osp=args.osp,
             node_size=args.node_size,
             bucket_bytes=int(args.bucket_mb * 2**20),
+            prefetch=args.prefetch,
+            keep_gathered_bytes=int(args.keep_gathered_mb * 2**20),
             lowering="eager",
             param_dtype=param_dtype,
         )
@@ -262,6 +268,15 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--osp", type=float, default=None, help="fraction of gradients in stage 2")
     s.add_argument("--param-dtype", choices=["float32", "bfloat16", "float16"], default=None)
     s.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap in MiB")
+    s.add_argument(
+        "--prefetch", type=int, default=1, help="gathered buckets issued ahead of the one in use"
+    )
+    s.add_argument(
+        "--keep-gathered-mb",
+        type=float,
+        default=0.0,
+        help="zero3: MiB of the last-used weights kept gathered from forward to backward",
+    )
     s.add_argument("--seq", type=int, default=8, help="tokens traced (bytes do not depend on it)")
     s.add_argument(
         "--tokens-per-rank",

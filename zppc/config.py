@@ -104,6 +104,23 @@ class Config:
     gathered weights in the parameter dtype, or the gradients reduced) stays
     within this many bytes, whatever the world size."""
 
+    prefetch: int = 1
+    """How many gathered buckets ahead of the one in use the `overlap` pass
+    issues parameter gathers: each gather then crosses the wire while the
+    compute of the previous `prefetch` buckets runs, and at most
+    `prefetch + 1` gathered buckets are alive at once. 0 issues each gather
+    when the previous bucket's weights are dead (no overlap of gathers with
+    their predecessors' compute, least memory)."""
+
+    keep_gathered_bytes: int = 0
+    """zero3 only: weights whose gathered bytes fit in this budget stay gathered
+    from forward to backward instead of being re-gathered (FSDP2's
+    `reshard_after_forward=False` for those; DeepSpeed's prefetcher does this
+    implicitly for small models). The last weights the forward gathers are
+    kept first: the backward needs them first, before any compute could hide
+    their re-gather. 0 re-gathers every weight. `zppc.inspect` states what was
+    kept."""
+
     lowering: str = "inductor"
     """"inductor" generates code with Inductor; "eager" runs the same passes and
     executes the graphs op by op (aot_eager), for fast tests."""
@@ -169,6 +186,15 @@ class Config:
                 raise ValueError(
                     f"{name}_block must be even for int4 (two values per byte), got {block}"
                 )
+        for name in ("prefetch", "keep_gathered_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if self.keep_gathered_bytes and self.strategy != "zero3":
+            raise ValueError(
+                "keep_gathered_bytes applies to strategy='zero3' (the other strategies keep "
+                f"every gathered weight for backward), got strategy={self.strategy!r}"
+            )
         for name in ("hpz", "qgz_quantize", "qgz_error_feedback"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

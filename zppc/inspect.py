@@ -30,6 +30,13 @@ class Inspection:
                 for r in records:
                     change = f"+{r.added} -{r.removed}" if r.name != "input" else ""
                     lines.append(f"  {kind:8s} {r.name:16s} {change}")
+            if record.kept_gathered:
+                kept = sum(size for _, size in record.kept_gathered)
+                lines.append(
+                    f"  kept gathered from forward to backward: {len(record.kept_gathered)} "
+                    f"weights, {kept / 1e6:.2f} MB (keep_gathered_bytes="
+                    f"{record.config.keep_gathered_bytes})"
+                )
         lines.append("== communication schedule (bytes received by this rank)")
         lines.append(
             f"  {'graph':8s} {'#':>3s} {'kind':15s} {'group':>5s} {'intra':>12s} {'inter':>12s}"

@@ -38,6 +38,9 @@ class CompileRecord:
         default_factory=lambda: {"dynamo": [], "forward": [], "backward": []}
     )
     final: dict[str, fx.GraphModule] = field(default_factory=dict)
+    kept_gathered: list[tuple[tuple[int, ...], int]] = field(default_factory=list)
+    """(shape, bytes) of each zero3 weight the forward keeps gathered for the
+    backward (`Config.keep_gathered_bytes`) instead of re-gathering it."""
 
     def schedule(self, rank: int | None = None) -> list[ScheduledCollective]:
         import torch.distributed as dist

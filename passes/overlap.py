@@ -1,0 +1,230 @@
+"""The `overlap` pass: decide when each collective is issued and waited.
+
+Requires: every pass that creates or rewrites collectives has run (zero, qwz,
+bucket, qgz, sync_buffers): collectives in the `CollectiveMatch` form, ledger
+hook + issue + wait. Must run last.
+
+Rewrite (node order only; nothing is added or removed, so numerics are
+unchanged):
+
+1. Parameter gathers are prefetched `Config.prefetch` buckets ahead, bounded
+   by memory: gather k (in program order) is issued right after the last use
+   of gather k - prefetch - 1's weights (the first prefetch + 1 gathers at the
+   top of the graph), together with its ledger hook and the shard-side ops
+   that produce its input (casts, qwZ's quantization, the bucket's concat). So
+   gather k crosses the wire while the compute of gathers k - prefetch .. k - 1
+   runs, and at most prefetch + 1 gathered buckets are alive at any point,
+   besides resident ones (weights the model reads again later, such as a tied
+   embedding: see `prefetch_gathers`).
+2. Every other collective (reductions, qgZ's hops, buffer broadcasts) is
+   issued as soon as its input exists: the ops that produce its input from the
+   gradients move up to just after their own inputs.
+3. Every wait moves to just before the first node that uses its result, so a
+   gradient reduction stays in flight while the rest of the backward computes.
+
+Why a zppc pass and not torch's `schedule_overlap_bucketing`: torch's decides
+by estimated runtimes and a memory-ratio budget, and it reorders compute too.
+zppc's contract is a stated prefetch depth with a hard bound on gathered
+buckets alive, the same decisions on every rank (graph order and the config
+only) and identical behaviour under both lowerings (the eager lowering runs the
+graph in this order; for Inductor the backend keeps it, see `backend.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+from zppc.passes.zero import (
+    COLLECTIVE_KINDS,
+    PARAM_GATHER,
+    RECORD,
+    CollectiveMatch,
+    find_collectives,
+)
+
+WAIT = torch.ops._c10d_functional.wait_tensor.default
+# A tail that reaches one of these is not a pure consumer of a result.
+COLLECTIVE_OPS = {*COLLECTIVE_KINDS, RECORD}
+
+
+class _Order:
+    """Node positions that stay comparable while nodes move (a moved node takes
+    the midpoint between its new neighbours): one O(n) scan, then O(1) per move
+    and per comparison, so the pass stays linear in the graph's size."""
+
+    def __init__(self, graph: fx.Graph):
+        self.pos = {n: float(i) for i, n in enumerate(graph.nodes)}
+
+    def __getitem__(self, node: fx.Node) -> float:
+        return self.pos[node]
+
+    def move_before(self, node: fx.Node, anchor: fx.Node) -> None:
+        if node is anchor or node.next is anchor:
+            return
+        anchor.prepend(node)
+        self.pos[node] = (self.pos[node.prev] + self.pos[anchor]) / 2
+
+
+class _Cursor:
+    """Places nodes one after another, starting just after `after`."""
+
+    def __init__(self, after: fx.Node, order: _Order):
+        self.after, self.order = after, order
+
+    def place(self, node: fx.Node) -> None:
+        if node is not self.after.next:
+            self.order.move_before(node, self.after.next)
+        self.after = node
+
+
+def overlap_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    graph = gm.graph
+    matches = find_collectives(graph)
+    order = _Order(graph)
+    gathers = [m for m in matches if m.wait.meta.get(PARAM_GATHER)]
+    others = [m for m in matches if not m.wait.meta.get(PARAM_GATHER)]
+    prefetch_gathers(graph, gathers, ctx.config.prefetch, order)
+    # Latest first: an earlier collective raised afterwards lands right after
+    # its inputs, ahead of the compute a later one pulled up.
+    for m in reversed(others):
+        issue_early(m, order)
+    (output,) = graph.find_nodes(op="output")
+    for m in others:
+        defer_to_output(m, output, order)
+    for m in matches:
+        wait_at_first_use(m, order)
+    return gm
+
+
+def weights_last_use(m: CollectiveMatch, order: _Order) -> fx.Node:
+    """The last node that reads a gather's result or a tensor made from it
+    alone (views, column copies, casts, qwZ's dequantization): after it, the
+    gathered bucket is dead. The graph output does not count: what a forward
+    saves from a gathered weight (hpZ's secondary shard) is a new, smaller
+    tensor."""
+    derived, stack, last = {m.wait}, [m.wait], m.wait
+    while stack:
+        for user in stack.pop().users:
+            if user.op == "output" or user in derived:
+                continue
+            if order[user] > order[last]:
+                last = user
+            if all(inp in derived for inp in user.all_input_nodes):
+                derived.add(user)
+                stack.append(user)
+    return last
+
+
+def prefetch_gathers(
+    graph: fx.Graph, gathers: list[CollectiveMatch], prefetch: int, order: _Order
+) -> None:
+    """Step 1 of the module doc. A bucket whose weights outlive the next
+    bucket's (a tied embedding, read at both ends of the forward) is resident:
+    it stays where it is and does not count against the bound, or it would
+    stop all prefetching while it lives. Gathers that share a release point
+    keep their program order (one cursor per point)."""
+    placeholders = graph.find_nodes(op="placeholder")
+    if not gathers or not placeholders:
+        return
+    last_uses = [weights_last_use(m, order) for m in gathers]
+    streamed = [
+        (m, last)
+        for k, (m, last) in enumerate(zip(gathers, last_uses, strict=True))
+        if k + 1 == len(gathers) or order[last] < order[last_uses[k + 1]]
+    ]
+    cursors: dict[fx.Node | None, _Cursor] = {}
+    for k, (m, _) in enumerate(streamed):
+        release = streamed[k - prefetch - 1][1] if k > prefetch else None
+        cursor = cursors.setdefault(release, _Cursor(release or placeholders[-1], order))
+        if order[m.issue] <= order[cursor.after]:
+            continue  # already issued earlier than the memory bound allows
+        _hoist(m.input, cursor)
+        cursor.place(m.record)
+        cursor.place(m.issue)
+
+
+def _hoist(node: fx.Node, cursor: _Cursor) -> None:
+    """Place `node` at the cursor after the producers it needs (a parameter
+    gather's input depends on graph inputs only: shards, their casts or
+    quantization, the bucket's concat)."""
+    if node.op != "call_function" or cursor.order[node] <= cursor.order[cursor.after]:
+        return
+    for inp in node.all_input_nodes:
+        _hoist(inp, cursor)
+    cursor.place(node)
+
+
+def issue_early(m: CollectiveMatch, order: _Order) -> None:
+    """Move the collective (and the ops between its inputs' producers and it)
+    up to just after the latest node it depends on."""
+    chain = _private_producers(m.issue)
+    for node in sorted(chain, key=order.__getitem__):
+        _raise_to_inputs(node, order)
+    # The ledger hook reads the collective's input: it goes right before the issue.
+    _raise_to_inputs(m.issue, order)
+    order.move_before(m.record, m.issue)
+
+
+def _private_producers(issue: fx.Node) -> list[fx.Node]:
+    """The ops that exist only to build a collective's input (flatten, pad,
+    concat, casts, quantization): producers whose every user is in the chain
+    (or is the collective's ledger hook)."""
+    chain: set[fx.Node] = set()
+    stack = [issue]
+    while stack:
+        for inp in stack.pop().all_input_nodes:
+            if inp.op != "call_function" or inp in chain or inp.target == WAIT:
+                continue
+            if all(u in chain or u is issue or u.target == RECORD for u in inp.users):
+                chain.add(inp)
+                stack.append(inp)
+    return list(chain)
+
+
+def _raise_to_inputs(node: fx.Node, order: _Order) -> None:
+    inputs = node.all_input_nodes
+    if not inputs:
+        return
+    latest = max(inputs, key=order.__getitem__)
+    target = latest.next
+    while target.op == "placeholder":
+        target = target.next
+    if order[target] < order[node]:
+        order.move_before(node, target)
+
+
+def defer_to_output(m: CollectiveMatch, output: fx.Node, order: _Order) -> None:
+    """If a collective's result only feeds the graph's output (a gradient
+    reduction: its average, cast and views), move its wait and those ops to
+    just before the output, in order: it completes while the rest of the graph
+    computes. A result that feeds another collective (qgZ's first hop feeds
+    the second) is waited at its first use instead."""
+    tail = _output_only_tail(m.wait, order)
+    if m.wait not in tail:
+        return
+    for node in sorted(tail, key=order.__getitem__):
+        order.move_before(node, output)
+
+
+def _output_only_tail(wait: fx.Node, order: _Order) -> set[fx.Node]:
+    """The ops downstream of `wait` whose every user is the output or another
+    such op, collectives excluded."""
+    downstream, stack = {wait}, [wait]
+    while stack:
+        for user in stack.pop().users:
+            if user.op == "call_function" and user not in downstream:
+                downstream.add(user)
+                stack.append(user)
+    tail: set[fx.Node] = set()
+    for node in sorted(downstream, key=order.__getitem__, reverse=True):
+        if node.target in COLLECTIVE_OPS:
+            continue
+        if all(u.op == "output" or u in tail for u in node.users):
+            tail.add(node)
+    return tail
+
+
+def wait_at_first_use(m: CollectiveMatch, order: _Order) -> None:
+    first = min(m.wait.users, key=order.__getitem__)
+    if order[first] > order[m.wait]:
+        order.move_before(m.wait, first)

@@ -1,0 +1,238 @@
+"""The `overlap` pass's schedule, asserted on the final graphs (fake process
+group, one process): what is issued before what, where each wait sits, how
+many gathered buckets are alive, and that Inductor's code keeps that order."""
+
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from zppc.passes.zero import PARAM_GATHER, find_collectives
+
+import zppc
+from zppc.models import GPT, PRESETS
+
+WORLD, NODE = 4, 2
+MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+WAIT = torch.ops._c10d_functional.wait_tensor.default
+
+
+@pytest.fixture
+def fake_rank(request):
+    dist.init_process_group("fake", store=FakeStore(), rank=request.param, world_size=WORLD)
+    torch._dynamo.reset()
+    yield request.param
+    torch._dynamo.reset()
+    dist.destroy_process_group()
+
+
+def final_graphs(**overrides):
+    """Forward and backward graphs of one gpt-small step, zero3 on 2 x 2,
+    buckets of about one transformer block."""
+    config = dict(node_size=NODE, lowering="eager", bucket_bytes=3 * 2**20, **overrides)
+    torch.manual_seed(0)
+    model = zppc.distribute(GPT(PRESETS["gpt-small"]), zppc.Config(**config))
+    step = torch.compile(model, backend="zppc")
+    tokens = torch.randint(0, PRESETS["gpt-small"].vocab_size, (2, 17))
+    step(tokens[:, :-1], tokens[:, 1:]).backward()
+    (compile_record,) = zppc.inspect(step).compiles
+    return compile_record.final["forward"], compile_record.final["backward"]
+
+
+def positions(gm):
+    return {n: i for i, n in enumerate(gm.graph.nodes)}
+
+
+def gathered_lifetime(m, pos):
+    """[issue, last read of the gathered weights or of a tensor made from them alone]."""
+    derived, stack, last = {m.wait}, [m.wait], pos[m.wait]
+    while stack:
+        for user in stack.pop().users:
+            if user.op == "output" or user in derived:
+                continue
+            last = max(last, pos[user])
+            if set(user.all_input_nodes) <= derived:
+                derived.add(user)
+                stack.append(user)
+    return pos[m.issue], last
+
+
+def first_use(m, pos):
+    return min(pos[u] for u in m.wait.users)
+
+
+def matmul_positions(gm, pos):
+    return sorted(pos[n] for n in gm.graph.nodes if n.target in MATMULS)
+
+
+def most_alive(intervals) -> int:
+    events = sorted([(a, 1) for a, _ in intervals] + [(b, -1) for _, b in intervals])
+    alive = peak = 0
+    for _, step in events:
+        alive += step
+        peak = max(peak, alive)
+    return peak
+
+
+@pytest.mark.parametrize("fake_rank", [1], indirect=True)
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_gathers_prefetched_within_the_memory_bound(fake_rank, prefetch):
+    for gm in final_graphs(prefetch=prefetch):
+        pos = positions(gm)
+        gathers = [m for m in find_collectives(gm.graph) if m.wait.meta.get(PARAM_GATHER)]
+        assert len(gathers) >= 4, gm.code
+        gathers.sort(key=lambda m: pos[m.issue])
+        lifetimes = [gathered_lifetime(m, pos) for m in gathers]
+        # A tied embedding's weights live across the forward: resident, not counted.
+        streamed = [
+            k
+            for k in range(len(gathers))
+            if k + 1 == len(gathers) or lifetimes[k][1] < lifetimes[k + 1][1]
+        ]
+        assert len(gathers) - len(streamed) <= 1
+        gathers = [gathers[k] for k in streamed]
+        lifetimes = [lifetimes[k] for k in streamed]
+        assert most_alive(lifetimes) <= prefetch + 1
+        # Gather k is issued before the compute on gather k - prefetch starts.
+        for k in range(prefetch, len(gathers)):
+            if prefetch:
+                assert pos[gathers[k].issue] < first_use(gathers[k - prefetch], pos)
+        # ... and, to stay within the bound, after gather k - prefetch - 1 is dead.
+        for k in range(prefetch + 1, len(gathers)):
+            assert pos[gathers[k].issue] > lifetimes[k - prefetch - 1][1]
+    if prefetch:
+        assert most_alive(lifetimes) == prefetch + 1  # the bound is used
+
+
+@pytest.mark.parametrize("fake_rank", [1], indirect=True)
+def test_waits_at_first_use_and_reductions_issued_at_once(fake_rank):
+    forward, backward = final_graphs(prefetch=1)
+    for gm in (forward, backward):
+        pos = positions(gm)
+        nodes = list(gm.graph.nodes)
+        for m in find_collectives(gm.graph):
+            between = nodes[pos[m.wait] + 1 : first_use(m, pos)]
+            assert all(n.target == WAIT for n in between), (m.wait, between)
+    pos = positions(backward)
+    matmuls = matmul_positions(backward, pos)
+    reductions = [m for m in find_collectives(backward.graph) if m.kind == "reduce_scatter"]
+    assert len(reductions) >= 4
+    for m in reductions:
+        # Issued before the next matrix product after its last gradient...
+        ancestors, stack = set(), [m.issue]
+        while stack:
+            for inp in stack.pop().all_input_nodes:
+                if inp not in ancestors:
+                    ancestors.add(inp)
+                    stack.append(inp)
+        ready = max(pos[n] for n in ancestors if n.target in MATMULS)
+        assert not [p for p in matmuls if ready < p < pos[m.issue]]
+        # ... and waited after the last one: in flight during the rest of the backward.
+        assert pos[m.wait] > matmuls[-1]
+
+
+@pytest.mark.parametrize("fake_rank", [0, 3], indirect=True)
+def test_every_rank_builds_the_same_schedule(fake_rank, tmp_path_factory):
+    forward, backward = final_graphs(prefetch=1, qwz="int8", hpz=True)
+    # Group names are process-local counters (and each rank's node group has
+    # other members): name groups by order of first use instead.
+    names: dict[str, str] = {}
+    code = re.sub(
+        r"'(\d+)'",
+        lambda g: names.setdefault(g.group(1), f"'group{len(names)}'"),
+        forward.code + backward.code,
+    )
+    shared = tmp_path_factory.getbasetemp() / "overlap_schedule.py"
+    if fake_rank == 0:
+        shared.write_text(code)
+    else:
+        assert code == shared.read_text()
+
+
+@pytest.mark.parametrize("fake_rank", [1], indirect=True)
+def test_inductor_keeps_the_overlap_order(fake_rank):
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    config = zppc.Config(node_size=NODE, bucket_bytes=30_000)
+    model = zppc.distribute(GPT(PRESETS["gpt-tiny"]), config)
+    step = torch.compile(model, backend="zppc")
+    tokens = torch.randint(0, 256, (2, 17))
+    _, (forward, backward) = run_and_get_code(
+        lambda: step(tokens[:, :-1], tokens[:, 1:]).backward()
+    )
+
+    def events(code):
+        """(op, buffer) in the order the generated `call` runs them."""
+        body = code[code.index("def call(") :]
+        pattern = r"(\w+) = torch\.ops\._c10d_functional\.(\w+)\.default|wait_tensor\.default\((\w+)\)|extern_kernels\.(mm|addmm)\("
+        found = []
+        for issued, kind, waited, _matmul in re.findall(pattern, body):
+            if issued:
+                found.append((kind, issued))
+            elif waited:
+                found.append(("wait", waited))
+            else:
+                found.append(("mm", None))
+        return found
+
+    def compute_between_issue_and_wait(found, kind):
+        issued = {buf: i for i, (k, buf) in enumerate(found) if k == kind}
+        waited = {buf: i for i, (k, buf) in enumerate(found) if k == "wait"}
+        return [any(k == "mm" for k, _ in found[issued[b] + 1 : waited[b]]) for b in issued]
+
+    fw, bw = events(forward), events(backward)
+    # Forward: gathers prefetched across compute (not issue-then-wait).
+    assert sum(compute_between_issue_and_wait(fw, "all_gather_into_tensor")) >= 3, fw
+    # Backward: every reduction in flight across later compute or at the end,
+    # every reduction's wait after the last matrix product.
+    last_mm = max(i for i, (k, _) in enumerate(bw) if k == "mm")
+    scatters = {b for k, b in bw if k == "reduce_scatter_tensor"}
+    assert len(scatters) >= 4
+    assert all(i > last_mm for i, (k, b) in enumerate(bw) if k == "wait" and b in scatters), bw
+
+
+@pytest.mark.parametrize("fake_rank", [1], indirect=True)
+def test_keep_gathered_saves_the_last_weights_instead_of_regathering(fake_rank):
+    def backward_gathered_elements(**overrides):
+        torch._dynamo.reset()
+        forward, backward = final_graphs(**overrides)
+        gathers = [m for m in find_collectives(backward.graph) if m.kind == "all_gather"]
+        saved = [n.meta["val"] for n in forward.graph.find_nodes(op="output")[0].args[0][1:]]
+        return sum(m.wait.meta["val"].numel() for m in gathers), saved
+
+    regathered, saved = backward_gathered_elements()
+    assert not [v for v in saved if v.dim() == 2 and v.shape[1] == 256 and v.shape[0] >= 256]
+    budget = 2 * 2**20
+    torch._dynamo.reset()
+    config = zppc.Config(node_size=NODE, lowering="eager", keep_gathered_bytes=budget)
+    model = zppc.distribute(GPT(PRESETS["gpt-small"]), config)
+    step = torch.compile(model, backend="zppc")
+    tokens = torch.randint(0, PRESETS["gpt-small"].vocab_size, (2, 17))
+    step(tokens[:, :-1], tokens[:, 1:]).backward()
+    inspection = zppc.inspect(step)
+    (record,) = inspection.compiles
+    kept = record.kept_gathered
+    # The last block's weights (the forward's last gathers; the tied embedding,
+    # gathered first, is not among them), within the budget.
+    assert kept and sum(size for _, size in kept) <= budget
+    assert (256, 1024) in {shape for shape, _ in kept}  # the last MLP projection
+    assert (PRESETS["gpt-small"].vocab_size, 256) not in {shape for shape, _ in kept}
+    assert "kept gathered from forward to backward" in str(inspection)
+    backward = record.final["backward"]
+    gathers = [m for m in find_collectives(backward.graph) if m.kind == "all_gather"]
+    fewer = sum(m.wait.meta["val"].numel() for m in gathers)
+    kept_elements = sum(size for _, size in kept) // 4
+    # What is kept is exactly what the backward no longer gathers (padding aside).
+    assert regathered - fewer >= kept_elements
+    assert regathered - fewer < kept_elements + WORLD * len(kept)
+
+
+def test_keep_gathered_is_checked():
+    with pytest.raises(ValueError, match="keep_gathered_bytes applies to strategy='zero3'"):
+        zppc.Config(strategy="zero2", keep_gathered_bytes=1)
+    with pytest.raises(ValueError, match="keep_gathered_bytes must be an int >= 0"):
+        zppc.Config(keep_gathered_bytes=-1)
+    with pytest.raises(ValueError, match="prefetch must be an int >= 0"):
+        zppc.Config(prefetch=-1)
