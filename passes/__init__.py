@@ -9,6 +9,7 @@ pass, and records a snapshot and the op-count difference of every pass for
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -39,6 +40,8 @@ class PassRecord:
     added: dict[str, int]
     removed: dict[str, int]
     code: str
+    seconds: float = 0.0
+    """Wall time of the pass (compile-time budget: passes must stay linear)."""
 
 
 @dataclass
@@ -120,6 +123,7 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if ctx.graph_kind not in p.graphs:
             continue
         before = op_census(gm.graph)
+        start = time.perf_counter()
         gm = p.fn(gm, ctx)
         if ctx.graph_kind != "dynamo":
             # Only aot graphs are functional. In the dynamo graph an in-place
@@ -128,14 +132,16 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             gm.graph.eliminate_dead_code()
         lint(gm, ctx.graph_kind)
         gm.recompile()
+        seconds = time.perf_counter() - start
         after = op_census(gm.graph)
-        record = PassRecord(p.name, dict(after - before), dict(before - after), gm.code)
+        record = PassRecord(p.name, dict(after - before), dict(before - after), gm.code, seconds)
         ctx.records.append(record)
         if ctx.config.log_passes:
             log.info(
-                "zppc pass %s on %s graph: +%s -%s",
+                "zppc pass %s on %s graph (%.3f s): +%s -%s",
                 p.name,
                 ctx.graph_kind,
+                seconds,
                 record.added,
                 record.removed,
             )

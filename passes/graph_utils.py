@@ -86,6 +86,8 @@ class GraphBuilder:
     def call(self, target, *args, **kwargs) -> fx.Node:
         with self.graph.inserting_before(self.anchor):
             node = self.graph.call_function(target, args, kwargs)
+        if isinstance(target, torch._ops.OpOverload) and not target._schema.returns:
+            return node  # nothing to describe (the ledger hook): skip running it on fakes
         fake_args, fake_kwargs = tree_map_only(fx.Node, node_value, (args, kwargs))
         with self.fake_mode:
             node.meta["val"] = target(*fake_args, **fake_kwargs)

@@ -1,6 +1,7 @@
 """At scale, in one process: the fake process group traces real graphs for
 hundreds of ranks, so the schedule and bytes can be checked without a cluster."""
 
+import json
 import math
 
 import pytest
@@ -131,3 +132,30 @@ def test_ledger_never_reads_a_collective_result(fake_world):
             for hook in hooks:
                 issue = hook.next
                 assert issue.args[0] is hook.args[0], f"{kind}: {hook.name} is not at its issue"
+
+
+@pytest.mark.parametrize("fake_world", [(8, 5)], indirect=True)
+def test_inspect_exports_json_a_trace_and_a_dump_dir(fake_world, tmp_path, monkeypatch):
+    monkeypatch.setenv("ZPPC_DUMP_DIR", str(tmp_path / "dump"))
+    config = zppc.Config(node_size=4, lowering="eager", qwz="int8", bucket_bytes=2**16)
+    _, inspection = compile_one_step(config)
+    document = inspection.to_json()
+    (compiled,) = document["compiles"]
+    assert compiled["config"]["qwz"] == "int8"
+    assert [p["name"] for p in compiled["passes"]["backward"]][-1] == "overlap"
+    assert len(compiled["schedule"]) == len(inspection.schedule)
+    json.dumps(document)  # plain data
+    trace = tmp_path / "step.json"
+    inspection.to_chrome_trace(trace)
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["tid"] for e in events} == {"compute", "communication"}
+    assert sum(e["tid"] == "communication" for e in events) == len(inspection.schedule)
+    assert all(e["pid"] == 5 for e in events)
+    # Every graph after every pass, and the schedule, under rank5/compile0.
+    where = tmp_path / "dump" / "rank5" / "compile0"
+    names = sorted(p.name for p in where.iterdir())
+    assert "schedule.json" in names
+    assert "forward_00_input.py" in names and any(
+        n.startswith("backward_") and n.endswith("_overlap.py") for n in names
+    )
+    assert json.loads((where / "schedule.json").read_text())["schedule"] == compiled["schedule"]

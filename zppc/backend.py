@@ -19,12 +19,13 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 import zppc.ir  # noqa: F401
 from zppc.config import Config
 from zppc.distribute import DistributedState, live_states, state_of_shard
+from zppc.inspect import dump_compile
 from zppc.passes import PassContext, run_passes
 from zppc.passes.partition import zppc_partition
 from zppc.passes.zero import find_collectives
 from zppc.runtime.failures import boxed_naming_failures
 from zppc.runtime.topology import Topology, default_node_size, group_ranks, setup_groups
-from zppc.schedule import CompileRecord, register_compile
+from zppc.schedule import CompileRecord, records_for, register_compile
 
 # Fields baked into the shards by `distribute`; options cannot change them later.
 FIXED_AT_DISTRIBUTE = ("strategy", "node_size", "param_dtype", "reduce_dtype")
@@ -117,6 +118,7 @@ def compile_distributed(gm, example_inputs, config: Config, state: DistributedSt
             ctx = PassContext(config, kind, record.passes[kind], state, buffer_inputs)
             graph = run_passes(graph, ctx)
             record.final[kind] = graph
+            dump_compile(record, len(records_for(state)) - 1, kind)
             what = describe(kind, graph, config)  # before Inductor rewrites the graph
             return boxed_naming_failures(lower(graph, inputs, **kw), what)
 

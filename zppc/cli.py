@@ -10,6 +10,7 @@ the bytes this rank receives and a predicted time from link bandwidths.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -112,7 +113,7 @@ def _plan(args: argparse.Namespace) -> dict:
         tokens = torch.randint(0, cfg.vocab_size, (1, traced_tokens), device="meta")
         step(tokens).float().square().mean().backward()
         graphs = [
-            (record.final[kind], graph_schedule(record.final[kind], kind, args.rank))
+            (kind, record.final[kind], graph_schedule(record.final[kind], kind, args.rank))
             for record in zppc.inspect(step).compiles
             for kind in ("forward", "backward")
             if kind in record.final
@@ -120,13 +121,13 @@ def _plan(args: argparse.Namespace) -> dict:
         # The graphs were traced on `traced_tokens`; matrix products scale with tokens.
         scale = args.tokens_per_rank / traced_tokens
         estimate = simulate(graphs, links, rate, flop_scale=scale)
-        flops = sum(graph_flops(gm) for gm, _ in graphs) * scale
+        flops = sum(graph_flops(gm) for _, gm, _ in graphs) * scale
     finally:
         dist.destroy_process_group()
 
     rows = [
         {**c.__dict__, "predicted_seconds": links.seconds(c.intra_node_bytes, c.inter_node_bytes)}
-        for _, entries in graphs
+        for _, _, entries in graphs
         for c in entries
     ]
     totals = {
@@ -137,9 +138,11 @@ def _plan(args: argparse.Namespace) -> dict:
         "flops": flops,
         "compute_seconds": estimate.compute_seconds,
         "step_seconds": estimate.step_seconds,
+        "hidden_fraction": estimate.hidden_fraction,
         "parameters": cfg.num_parameters,
     }
-    return {"config": vars(args), "collectives": rows, "totals": totals}
+    timeline = [dataclasses.asdict(span) for span in estimate.timeline]
+    return {"config": vars(args), "collectives": rows, "totals": totals, "timeline": timeline}
 
 
 def _features(args: argparse.Namespace) -> str:
@@ -158,29 +161,9 @@ def _summary(plan: dict) -> str:
         f"{t['inter_node_bytes'] / 1e6:,.3f} MB inter-node received by this rank (MB = 10^6 bytes); "
         f"communication {t['communication_seconds'] * 1e3:,.3f} ms, compute "
         f"{t['compute_seconds'] * 1e3:,.3f} ms ({t['flops'] / 1e9:,.3f} GFLOP), "
-        f"step {t['step_seconds'] * 1e3:,.3f} ms predicted"
+        f"step {t['step_seconds'] * 1e3:,.3f} ms predicted "
+        f"({t['hidden_fraction']:.0%} of the smaller of the two hidden behind the other)"
     )
-
-
-def _chrome_trace(plan: dict, rank: int) -> dict:
-    events, clock = [], 0.0
-    for r in plan["collectives"]:
-        duration = r["predicted_seconds"] * 1e6
-        events.append(
-            {
-                "name": f"{r['kind']} ({r['group_size']} ranks)",
-                "ph": "X",
-                "ts": clock,
-                "dur": duration,
-                "pid": rank,
-                "tid": r["graph"],
-                "args": {
-                    k: r[k] for k in ("intra_node_bytes", "inter_node_bytes", "bytes_per_peer")
-                },
-            }
-        )
-        clock += duration
-    return {"traceEvents": events}
 
 
 def _schedule(args: argparse.Namespace) -> int:
@@ -197,7 +180,9 @@ def _schedule(args: argparse.Namespace) -> int:
             json.dump(document, out, indent=1)
             out.write("\n")
         elif args.format == "chrome":
-            json.dump(_chrome_trace(plan, args.rank), out)
+            from zppc.cost import chrome_trace
+
+            json.dump(chrome_trace(plan["timeline"], args.rank), out)
             out.write("\n")
         else:
             _print_table(plan, args, other, other_args if other else None, out)

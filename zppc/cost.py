@@ -14,8 +14,9 @@ shows up as a shorter step.
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import fx
 from torch.utils.flop_counter import flop_registry
@@ -80,6 +81,11 @@ class Links:
         )
 
 
+# `zppc schedule`'s default links: NVLink-class within a node, 100 Gbit/s
+# between nodes, 5 us per collective.
+DEFAULT_LINKS = Links(300e9, 100e9 / 8, 5e-6)
+
+
 def node_flops(node: fx.Node) -> int:
     """FLOPs of one graph node by torch's formulas (0 for ops without one)."""
     if node.op != "call_function":
@@ -99,10 +105,24 @@ def graph_flops(gm: fx.GraphModule) -> int:
 
 
 @dataclass(frozen=True)
+class Span:
+    """One interval of the replayed step on one track ("compute" or
+    "communication"), in seconds from the start of the step."""
+
+    track: str
+    name: str
+    graph: str
+    start: float
+    seconds: float
+    args: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class StepEstimate:
     compute_seconds: float
     communication_seconds: float
     step_seconds: float
+    timeline: tuple[Span, ...] = ()
 
     @property
     def hidden_fraction(self) -> float:
@@ -113,37 +133,80 @@ class StepEstimate:
         return (self.compute_seconds + self.communication_seconds - self.step_seconds) / smaller
 
 
+def chrome_trace(timeline, pid: int = 0) -> dict:
+    """Spans (or their dicts) as a Chrome trace (chrome://tracing, Perfetto):
+    one row for compute, one for communication."""
+    spans = [s if isinstance(s, dict) else dataclasses.asdict(s) for s in timeline]
+    return {
+        "traceEvents": [
+            {
+                "name": span["name"],
+                "cat": span["graph"],
+                "ph": "X",
+                "ts": span["start"] * 1e6,
+                "dur": span["seconds"] * 1e6,
+                "pid": pid,
+                "tid": span["track"],
+                "args": span["args"],
+            }
+            for span in spans
+        ],
+        "displayTimeUnit": "ms",
+    }
+
+
 def simulate(
-    graphs: list[tuple[fx.GraphModule, list]],
+    graphs: list[tuple[str, fx.GraphModule, list]],
     links: Links,
     flops_per_second: float,
     flop_scale: float = 1.0,
 ) -> StepEstimate:
-    """Replay `graphs` (each with its schedule entries, in program order) on a
-    compute clock and a communication clock."""
+    """Replay `graphs` (name, graph, its schedule entries in program order) on
+    a compute clock and a communication clock: a collective starts when it is
+    issued and the link is free, a wait holds compute until its collective is
+    done. The timeline merges the compute between two such events into one span."""
     from zppc.passes.zero import find_collectives
 
     compute = comm_free = 0.0
     busy_compute = busy_comm = 0.0
-    for gm, entries in graphs:
+    timeline: list[Span] = []
+    for name, gm, entries in graphs:
         matches = find_collectives(gm.graph)
         done_at: dict[fx.Node, float] = {}
         issue_of = {m.issue: (m, e) for m, e in zip(matches, entries, strict=True)}
         wait_of = {m.wait: m for m in matches}
+        span_start, span_flops = compute, 0
         for node in gm.graph.nodes:
+            if node not in issue_of and node not in wait_of:
+                flops = node_flops(node) * flop_scale
+                compute += flops / flops_per_second
+                busy_compute += flops / flops_per_second
+                span_flops += flops
+                continue
+            timeline.extend(_compute_span(name, span_start, compute, span_flops))
             if node in issue_of:
                 m, entry = issue_of[node]
                 cost = links.seconds(entry.intra_node_bytes, entry.inter_node_bytes)
                 start = max(compute, comm_free)
                 comm_free = done_at[m.wait] = start + cost
                 busy_comm += cost
-            elif node in wait_of:
-                compute = max(compute, done_at[node])
+                timeline.append(_communication_span(name, entry, start, cost))
             else:
-                cost = node_flops(node) * flop_scale / flops_per_second
-                compute += cost
-                busy_compute += cost
-    return StepEstimate(busy_compute, busy_comm, max(compute, comm_free))
+                compute = max(compute, done_at[node])
+            span_start, span_flops = compute, 0
+        timeline.extend(_compute_span(name, span_start, compute, span_flops))
+    return StepEstimate(busy_compute, busy_comm, max(compute, comm_free), tuple(timeline))
+
+
+def _compute_span(graph: str, start: float, end: float, flops: float) -> list[Span]:
+    return [Span("compute", "compute", graph, start, end - start, {"flops": flops})] * (end > start)
+
+
+def _communication_span(graph: str, entry, start: float, seconds: float) -> Span:
+    args = {"intra_node_bytes": entry.intra_node_bytes, "inter_node_bytes": entry.inter_node_bytes}
+    return Span(
+        "communication", f"{entry.kind} ({entry.group_size} ranks)", graph, start, seconds, args
+    )
 
 
 def flops_per_second(device: str | None, tflops: float | None, half_precision: bool) -> float:

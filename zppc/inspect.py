@@ -1,11 +1,23 @@
-"""`zppc.inspect(step)`: the graphs after every pass and the communication schedule."""
+"""`zppc.inspect(step)`: the graphs after every pass and the communication schedule.
+
+`ZPPC_DUMP_DIR=dir` also writes, for every compile on every rank, each graph's
+code after each pass and the schedule (`dump_compile`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from zppc.distribute import state_of
 from zppc.schedule import CompileRecord, ScheduledCollective, records_for
+
+log = logging.getLogger("zppc.inspect")
+GRAPH_KINDS = ("forward", "backward")
 
 
 @dataclass
@@ -21,6 +33,41 @@ class Inspection:
     @property
     def schedule(self) -> list[ScheduledCollective]:
         return [c for record in self.compiles for c in record.schedule()]
+
+    def estimate(self, links=None, flops_per_second: float | None = None):
+        """The step replayed by zppc's cost model (`zppc.cost.simulate`) on the
+        final graphs: default links and rate are `zppc schedule`'s (300 GB/s
+        intra-node, 100 Gbit/s inter-node, 5 us, an A100's float32 peak); FLOPs
+        are those of the traced shapes."""
+        import torch.distributed as dist
+
+        from zppc.cost import DEFAULT_LINKS, DEVICES, simulate
+        from zppc.schedule import graph_schedule
+
+        rank = dist.get_rank()
+        graphs = [
+            (kind, record.final[kind], graph_schedule(record.final[kind], kind, rank))
+            for record in self.compiles
+            for kind in GRAPH_KINDS
+            if kind in record.final
+        ]
+        rate = flops_per_second or DEVICES["A100"][1]
+        return simulate(graphs, links or DEFAULT_LINKS, rate)
+
+    def to_json(self) -> dict:
+        """Every compile's config, passes (op changes, seconds), the weights kept
+        gathered, and the schedule, as plain data."""
+        return {"compiles": [_record_json(record) for record in self.compiles]}
+
+    def to_chrome_trace(self, path, links=None, flops_per_second: float | None = None) -> None:
+        """Write the replayed step (see `estimate`) as a Chrome trace; Perfetto
+        and chrome://tracing open it."""
+        import torch.distributed as dist
+
+        from zppc.cost import chrome_trace
+
+        trace = chrome_trace(self.estimate(links, flops_per_second).timeline, dist.get_rank())
+        Path(path).write_text(json.dumps(trace))
 
     def __str__(self) -> str:
         lines = []
@@ -53,3 +100,47 @@ def inspect(step) -> Inspection:
     """Everything zppc compiled for `step` (a `torch.compile`d model, or the model)."""
     model = getattr(step, "_orig_mod", step)
     return Inspection(records_for(state_of(model)))
+
+
+def _jsonable(value):
+    return value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
+
+
+def _record_json(record: CompileRecord) -> dict:
+    return {
+        "config": {
+            f.name: _jsonable(getattr(record.config, f.name))
+            for f in dataclasses.fields(record.config)
+        },
+        "passes": {
+            kind: [
+                {"name": r.name, "added": r.added, "removed": r.removed, "seconds": r.seconds}
+                for r in records
+            ]
+            for kind, records in record.passes.items()
+        },
+        "kept_gathered": [
+            {"shape": list(shape), "bytes": size} for shape, size in record.kept_gathered
+        ],
+        "schedule": [dataclasses.asdict(c) for c in record.schedule()],
+    }
+
+
+def dump_compile(record: CompileRecord, index: int, kind: str) -> Path | None:
+    """With ZPPC_DUMP_DIR set: write graph `kind` of compile `index` after every
+    pass (`<dir>/rank<r>/compile<index>/<kind>_<k>_<pass>.py`), and once the
+    backward is there the compile's JSON (`schedule.json`)."""
+    root = os.environ.get("ZPPC_DUMP_DIR")
+    if not root:
+        return None
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    where = Path(root) / f"rank{rank}" / f"compile{index}"
+    where.mkdir(parents=True, exist_ok=True)
+    for k, r in enumerate(record.passes[kind]):
+        (where / f"{kind}_{k:02d}_{r.name}.py").write_text(r.code)
+    if kind == "backward" or "backward" not in record.passes or not record.passes["backward"]:
+        (where / "schedule.json").write_text(json.dumps(_record_json(record), indent=1))
+    log.info("zppc: wrote the %s graph of compile %d to %s", kind, index, where)
+    return where
