@@ -62,7 +62,14 @@ class _Order:
         if node is anchor or node.next is anchor:
             return
         anchor.prepend(node)
-        self.pos[node] = (self.pos[node.prev] + self.pos[anchor]) / 2
+        low, high = self.pos[node.prev], self.pos[anchor]
+        middle = (low + high) / 2
+        if not low < middle < high:
+            # Fifty-odd insertions into one gap exhaust a float's precision:
+            # number the graph afresh (rare, so still linear overall).
+            self.pos = {n: float(i) for i, n in enumerate(anchor.graph.nodes)}
+            return
+        self.pos[node] = middle
 
 
 class _Cursor:

@@ -96,6 +96,36 @@ def received(kind: str, group_name: str, rank: int, bytes_per_peer: int) -> tupl
     return intra_peers * bytes_per_peer, inter_peers * bytes_per_peer
 
 
+def node_link_bytes(kind: str, group_name: str, rank: int, bytes_per_peer: int) -> int:
+    """Bytes entering `rank`'s node over its inter-node link in one collective,
+    with every rank of the node running its copy (the ranks of a node run the
+    same collective, on this group or on congruent ones), under the algorithms
+    gloo and NCCL run: a ring over the group's ranks in order for all-gather,
+    reduce-scatter, all-reduce and broadcast (from the first rank), a direct
+    exchange for all-to-all. This is the per-node accounting of the ZeRO++
+    paper's 3M -> 0.75M; the ledger's bytes are logical, per rank."""
+    import torch.distributed as dist
+
+    node_size = node_size_of(group_name) or dist.get_world_size()
+    ranks = group_ranks(group_name)
+    here = [r for r in ranks if r // node_size == rank // node_size]
+    if len(here) == len(ranks):
+        return 0
+
+    def inbound(member: int) -> int:
+        if kind == "all_to_all":
+            return received(kind, group_name, member, bytes_per_peer)[1]
+        previous = ranks[ranks.index(member) - 1]
+        if previous // node_size == member // node_size or (
+            kind == "broadcast" and member == ranks[0]
+        ):
+            return 0
+        return bytes_per_peer if kind == "broadcast" else (len(ranks) - 1) * bytes_per_peer
+
+    # node_size / len(here) congruent copies of this group meet on the node.
+    return sum(map(inbound, here)) * node_size // len(here)
+
+
 def record(kind: str, group_name: str, bytes_per_peer: int) -> None:
     """Count a collective in which each sending peer of the group sent me
     `bytes_per_peer` (every other rank; for a broadcast, its root)."""

@@ -113,3 +113,32 @@ def test_schedule_qgz_shows_both_hops(capsys):
 def test_schedule_refuses_what_it_cannot_plan(flags, words):
     with pytest.raises(SystemExit, match=words):
         main(["schedule", "gpt-tiny", "--world-size", "16", *flags])
+
+
+FACTORY = """
+import torch
+from torch import nn
+
+
+def build():
+    model = nn.Sequential(nn.Linear(10, 30), nn.ReLU(), nn.Linear(30, 7))
+    return model, (torch.randn(3, 10),)
+"""
+
+
+def test_schedule_plans_a_users_factory(capsys, tmp_path, monkeypatch):
+    (tmp_path / "my_models.py").write_text(FACTORY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = ["schedule", "my_models:build", "--world-size", "16", "--node-size", "4"]
+    assert main(args + ["--format", "json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["totals"]["parameters"] == 10 * 30 + 30 + 30 * 7 + 7
+    kinds = [c["kind"] for c in plan["collectives"]]
+    assert "all_gather" in kinds and "reduce_scatter" in kinds
+    # Each rank receives 15 shards of every weight, padded to 16 rows' worth.
+    gathered = sum(c["bytes_per_peer"] for c in plan["collectives"] if c["graph"] == "forward")
+    assert gathered * 16 >= (10 * 30 + 30 + 30 * 7 + 7) * 4
+    with pytest.raises(SystemExit, match="cannot load 'my_models:nothing'"):
+        main(["schedule", "my_models:nothing", "--world-size", "8"])
+    with pytest.raises(SystemExit, match="unknown model 'gpt-huge'"):
+        main(["schedule", "gpt-huge", "--world-size", "8"])

@@ -236,3 +236,22 @@ def test_keep_gathered_is_checked():
         zppc.Config(keep_gathered_bytes=-1)
     with pytest.raises(ValueError, match="prefetch must be an int >= 0"):
         zppc.Config(prefetch=-1)
+
+
+def test_positions_stay_ordered_after_many_moves_into_one_gap():
+    """Positions are midpoints between neighbours; hundreds of moves into one
+    gap exhaust a float, and the order must renumber rather than tie."""
+    from torch import fx
+    from zppc.passes.overlap import _Order
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    nodes = [graph.call_function(torch.neg, (x,)) for _ in range(300)]
+    graph.output(nodes[-1])
+    order = _Order(graph)
+    cursor = nodes[0]
+    for node in reversed(nodes[1:]):  # each lands right after the previous one
+        order.move_before(node, cursor.next)
+        cursor = node
+    listed = list(graph.nodes)
+    assert all(order[a] < order[b] for a, b in zip(listed, listed[1:]))

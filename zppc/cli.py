@@ -50,6 +50,50 @@ def _compare_overrides(spec: str) -> dict:
     return overrides
 
 
+def _model_and_inputs(spec: str, seq: int):
+    """A built-in model (`zppc.models.PRESETS`) on `seq` tokens, or
+    `package.module:factory`, a callable returning `(model, example_inputs)`.
+    Returns the model, its inputs and the tokens traced (None for a factory)."""
+    import importlib
+
+    import torch
+
+    from zppc.models import GPT, PRESETS
+
+    if spec in PRESETS:
+        cfg = PRESETS[spec]
+        tokens = min(seq, cfg.block_size)
+        return GPT(cfg), (torch.randint(0, cfg.vocab_size, (1, tokens)),), tokens
+    module_name, _, attr = spec.partition(":")
+    if not attr:
+        raise SystemExit(
+            f"zppc schedule: unknown model {spec!r}; give one of {sorted(PRESETS)} "
+            "or package.module:factory returning (model, example_inputs)"
+        )
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise SystemExit(f"zppc schedule: cannot load {spec!r}: {exc}") from None
+    built = factory()
+    if not (isinstance(built, tuple) and len(built) == 2):
+        raise SystemExit(f"zppc schedule: {spec} must return (model, example_inputs)")
+    model, inputs = built
+    return model, tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), None
+
+
+def _first_tensor(output):
+    import torch
+
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict):
+        output = list(output.values())
+    for item in output:
+        if isinstance(item, torch.Tensor):
+            return item
+    raise SystemExit("zppc schedule: the model's output holds no tensor to take a loss from")
+
+
 def _plan(args: argparse.Namespace) -> dict:
     """Compile one step against a fake process group; its collectives, bytes,
     FLOPs and the predicted step time."""
@@ -59,7 +103,6 @@ def _plan(args: argparse.Namespace) -> dict:
 
     import zppc
     from zppc.cost import Links, flops_per_second, graph_flops, parse_rate, parse_time, simulate
-    from zppc.models import GPT, PRESETS
     from zppc.schedule import graph_schedule
 
     if args.node_size > args.world_size:
@@ -94,32 +137,30 @@ def _plan(args: argparse.Namespace) -> dict:
         rate = flops_per_second(args.device, args.tflops, half)
     except (ValueError, NotImplementedError) as exc:
         raise SystemExit(f"zppc schedule: {exc}") from None
-    cfg = PRESETS[args.model]
-    traced_tokens = min(args.seq, cfg.block_size)
     torch._dynamo.reset()  # each plan compiles afresh (no recompile limit across plans)
     dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=args.world_size)
     try:
+        # Shards stay on meta under the fake group, so the step runs on shapes
+        # only, whatever the model's size.
         with torch.device("meta"):
-            model = GPT(cfg)
+            model, inputs, traced_tokens = _model_and_inputs(args.model, args.seq)
         try:
             zppc.distribute(model, config)  # its checks cover the topology (hpz: world % node)
         except ValueError as exc:
             raise SystemExit(f"zppc schedule: {exc}") from None
         step = torch.compile(model, backend="zppc")
-        # Shards stay on meta under the fake group, so the step runs on shapes
-        # only, whatever the model's size. The loss is taken from the logits
-        # outside the graph (cross-entropy has no autograd formula on meta);
-        # the collectives do not depend on it.
-        tokens = torch.randint(0, cfg.vocab_size, (1, traced_tokens), device="meta")
-        step(tokens).float().square().mean().backward()
+        # The loss is taken from the output outside the graph (cross-entropy has
+        # no autograd formula on meta); the collectives do not depend on it.
+        _first_tensor(step(*inputs)).float().square().mean().backward()
         graphs = [
             (kind, record.final[kind], graph_schedule(record.final[kind], kind, args.rank))
             for record in zppc.inspect(step).compiles
             for kind in ("forward", "backward")
             if kind in record.final
         ]
-        # The graphs were traced on `traced_tokens`; matrix products scale with tokens.
-        scale = args.tokens_per_rank / traced_tokens
+        # The graphs were traced on `traced_tokens`; matrix products scale with
+        # tokens (a factory's model computes on its example inputs as they are).
+        scale = args.tokens_per_rank / traced_tokens if traced_tokens else 1.0
         estimate = simulate(graphs, links, rate, flop_scale=scale)
         flops = sum(graph_flops(gm) for _, gm, _ in graphs) * scale
     finally:
@@ -134,12 +175,13 @@ def _plan(args: argparse.Namespace) -> dict:
         "collectives": len(rows),
         "intra_node_bytes": sum(r["intra_node_bytes"] for r in rows),
         "inter_node_bytes": sum(r["inter_node_bytes"] for r in rows),
+        "node_link_bytes": sum(r["node_link_bytes"] for r in rows),
         "communication_seconds": estimate.communication_seconds,
         "flops": flops,
         "compute_seconds": estimate.compute_seconds,
         "step_seconds": estimate.step_seconds,
         "hidden_fraction": estimate.hidden_fraction,
-        "parameters": cfg.num_parameters,
+        "parameters": sum(p.numel() for p in model.parameters()),
     }
     timeline = [dataclasses.asdict(span) for span in estimate.timeline]
     return {"config": vars(args), "collectives": rows, "totals": totals, "timeline": timeline}
@@ -158,7 +200,9 @@ def _summary(plan: dict) -> str:
     t = plan["totals"]
     return (
         f"{t['collectives']} collectives, {t['intra_node_bytes'] / 1e6:,.3f} MB intra-node, "
-        f"{t['inter_node_bytes'] / 1e6:,.3f} MB inter-node received by this rank (MB = 10^6 bytes); "
+        f"{t['inter_node_bytes'] / 1e6:,.3f} MB inter-node received by this rank (MB = 10^6 bytes; "
+        f"logical, the ledger's), {t['node_link_bytes'] / 1e6:,.3f} MB into its node over the "
+        f"inter-node link (ring / direct algorithms, all the node's ranks); "
         f"communication {t['communication_seconds'] * 1e3:,.3f} ms, compute "
         f"{t['compute_seconds'] * 1e3:,.3f} ms ({t['flops'] / 1e9:,.3f} GFLOP), "
         f"step {t['step_seconds'] * 1e3:,.3f} ms predicted "
@@ -204,13 +248,15 @@ def _print_table(plan, args, other, other_args, out) -> None:
         file=out,
     )
     print(
-        f"{'graph':9s} {'#':>3s} {'kind':15s} {'ranks':>5s} {'per peer':>12s} {'intra':>14s} {'inter':>14s} {'ms':>9s}",
+        f"{'graph':9s} {'#':>3s} {'kind':15s} {'ranks':>5s} {'per peer':>12s} {'intra':>14s} "
+        f"{'inter':>14s} {'node link':>14s} {'ms':>9s}",
         file=out,
     )
     for r in plan["collectives"]:
         print(
             f"{r['graph']:9s} {r['index']:3d} {r['kind']:15s} {r['group_size']:5d} {r['bytes_per_peer']:12,d} "
-            f"{r['intra_node_bytes']:14,d} {r['inter_node_bytes']:14,d} {r['predicted_seconds'] * 1e3:9.3f}",
+            f"{r['intra_node_bytes']:14,d} {r['inter_node_bytes']:14,d} {r['node_link_bytes']:14,d} "
+            f"{r['predicted_seconds'] * 1e3:9.3f}",
             file=out,
         )
     print(f"total: {_summary(plan)}", file=out)
@@ -222,8 +268,14 @@ def _print_table(plan, args, other, other_args, out) -> None:
             if theirs["inter_node_bytes"]
             else "-"
         )
+        link = (
+            f"{mine['node_link_bytes'] / theirs['node_link_bytes']:.3f}x"
+            if theirs["node_link_bytes"]
+            else "-"
+        )
         print(
-            f"ratio: inter-node bytes {inter} of the comparison's, predicted speedup "
+            f"ratio: inter-node bytes {inter} (per-node link bytes {link}) of the comparison's, "
+            f"predicted speedup "
             f"{theirs['step_seconds'] / mine['step_seconds']:.2f}x",
             file=out,
         )
@@ -240,7 +292,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command")
     s = sub.add_parser("schedule", help="the communication schedule of one training step")
-    s.add_argument("model", choices=sorted(PRESETS))
+    s.add_argument(
+        "model",
+        help=f"one of {', '.join(sorted(PRESETS))}, or package.module:factory returning "
+        "(model, example_inputs)",
+    )
     s.add_argument("--world-size", type=int, required=True)
     s.add_argument("--node-size", type=int, default=8)
     s.add_argument("--rank", type=int, default=0, help="whose view of the schedule")

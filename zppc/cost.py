@@ -130,7 +130,8 @@ class StepEstimate:
         smaller = min(self.compute_seconds, self.communication_seconds)
         if smaller == 0:
             return 0.0
-        return (self.compute_seconds + self.communication_seconds - self.step_seconds) / smaller
+        hidden = self.compute_seconds + self.communication_seconds - self.step_seconds
+        return max(hidden, 0.0) / smaller  # float rounding can leave -1e-17
 
 
 def chrome_trace(timeline, pid: int = 0) -> dict:

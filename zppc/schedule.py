@@ -9,7 +9,7 @@ from torch import fx
 
 from zppc.passes.zero import UNQUANTIZED_BYTES, find_collectives
 from zppc.runtime.collectives import bytes_per_peer
-from zppc.runtime.ledger import received
+from zppc.runtime.ledger import node_link_bytes, received
 from zppc.runtime.topology import group_ranks
 
 
@@ -27,6 +27,9 @@ class ScheduledCollective:
     inter_node_bytes: int
     unquantized_bytes_per_peer: int
     """What each peer would send without quantization (= bytes_per_peer when unquantized)."""
+    node_link_bytes: int = 0
+    """Bytes entering this rank's node over its inter-node link, all its ranks
+    counted, under the ring / direct algorithms (`ledger.node_link_bytes`)."""
 
 
 @dataclass
@@ -72,6 +75,7 @@ def graph_schedule(gm: fx.GraphModule, graph: str, rank: int) -> list[ScheduledC
                 intra_node_bytes=intra,
                 inter_node_bytes=inter,
                 unquantized_bytes_per_peer=m.wait.meta.get(UNQUANTIZED_BYTES, per_peer),
+                node_link_bytes=node_link_bytes(kind, group_name, rank, per_peer),
             )
         )
     return result
