@@ -205,3 +205,27 @@ def test_planned_bytes_equal_a_live_ledger(capsys):
         planned = json.loads(capsys.readouterr().out)["totals"]
         assert planned["intra_node_bytes"] == live[rank]["intra_node_bytes"]
         assert planned["inter_node_bytes"] == live[rank]["inter_node_bytes"]
+
+
+def test_node_link_bytes_follow_the_ring_and_reach_the_papers_ratio(capsys):
+    args = ["schedule", "gpt-tiny", "--world-size", "32", "--node-size", "8", "--format", "json"]
+    args += ["--param-dtype", "bfloat16"]
+    assert main(args + ["--compare", "zero3", "--qwz", "int8", "--hpz", "--qgz", "int4"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    zero3 = plan["compare"]
+    for c in zero3["collectives"]:
+        # One ring over all 32 ranks: one inter-node edge enters each node,
+        # carrying 31 chunks (an all-reduce would carry twice that).
+        assert c["node_link_bytes"] == 31 * c["bytes_per_peer"]
+    for c in plan["collectives"]:
+        if c["group_size"] == 8:  # hpZ's gathers and qgZ's first hop stay in the node
+            assert c["node_link_bytes"] == 0
+        if c["kind"] == "all_to_all" and c["group_size"] == 4:
+            # qgZ's second hop: 8 congruent groups of one rank per node, each
+            # rank receiving 3 chunks from other nodes.
+            assert c["node_link_bytes"] == 8 * 3 * c["bytes_per_peer"]
+    ratio = plan["totals"]["node_link_bytes"] / zero3["totals"]["node_link_bytes"]
+    # ZeRO++'s 3M -> 0.75M per node (qwZ int8 0.5M + hpZ 0 + qgZ int4 0.25M),
+    # plus quantization scales and padding.
+    print(f"per-node link bytes, ZeRO++ / zero3: {ratio:.3f}")
+    assert 0.2 < ratio < 0.3

@@ -128,8 +128,11 @@ def test_waits_at_first_use_and_reductions_issued_at_once(fake_rank):
                     stack.append(inp)
         ready = max(pos[n] for n in ancestors if n.target in MATMULS)
         assert not [p for p in matmuls if ready < p < pos[m.issue]]
-        # ... and waited after the last one: in flight during the rest of the backward.
-        assert pos[m.wait] > matmuls[-1]
+    # In flight across later compute, with at most prefetch + 1 in flight at once.
+    spans = sorted((pos[m.issue], pos[m.wait]) for m in reductions)
+    assert most_alive(spans) == 2
+    assert all([p for p in matmuls if a < p < b] for a, b in spans[:-2])
+    assert spans[-1][1] > matmuls[-1]
 
 
 @pytest.mark.parametrize("fake_rank", [0, 3], indirect=True)
@@ -185,12 +188,12 @@ def test_inductor_keeps_the_overlap_order(fake_rank):
     fw, bw = events(forward), events(backward)
     # Forward: gathers prefetched across compute (not issue-then-wait).
     assert sum(compute_between_issue_and_wait(fw, "all_gather_into_tensor")) >= 3, fw
-    # Backward: every reduction in flight across later compute or at the end,
-    # every reduction's wait after the last matrix product.
-    last_mm = max(i for i, (k, _) in enumerate(bw) if k == "mm")
-    scatters = {b for k, b in bw if k == "reduce_scatter_tensor"}
-    assert len(scatters) >= 4
-    assert all(i > last_mm for i, (k, b) in enumerate(bw) if k == "wait" and b in scatters), bw
+    # Backward: reductions in flight across later compute, two at most.
+    scatters = compute_between_issue_and_wait(bw, "reduce_scatter_tensor")
+    assert len(scatters) >= 4 and sum(scatters) >= len(scatters) - 2, bw
+    issued = {b: i for i, (k, b) in enumerate(bw) if k == "reduce_scatter_tensor"}
+    waited = {b: i for i, (k, b) in enumerate(bw) if k == "wait" and b in issued}
+    assert most_alive([(issued[b], waited[b]) for b in issued]) <= 2
 
 
 @pytest.mark.parametrize("fake_rank", [1], indirect=True)
@@ -254,4 +257,4 @@ def test_positions_stay_ordered_after_many_moves_into_one_gap():
         order.move_before(node, cursor.next)
         cursor = node
     listed = list(graph.nodes)
-    assert all(order[a] < order[b] for a, b in zip(listed, listed[1:]))
+    assert all(order[a] < order[b] for a, b in zip(listed, listed[1:], strict=False))
