@@ -24,7 +24,7 @@ unchanged):
    before the reduction `prefetch + 1` places later is issued: it stays in
    flight while the backward computes, and the gradient buckets in flight stay
    bounded too (waiting all of them at the end kept every bucket's full
-   gradient alive: +150 MiB per rank on gpt-medium at 2 ranks).
+   gradient alive: +72 MiB peak per rank on gpt-medium at 2 ranks).
 
 Why a zppc pass and not torch's `schedule_overlap_bucketing`: torch's decides
 by estimated runtimes and a memory-ratio budget, and it reorders compute too.
