@@ -26,6 +26,9 @@ unchanged):
    bounded too (waiting all of them at the end kept every bucket's full
    gradient alive: +72 MiB peak per rank on gpt-medium at 2 ranks).
 
+4. On gloo groups, at most one collective per group is in flight
+   (`one_in_flight_on_gloo`).
+
 Why a zppc pass and not torch's `schedule_overlap_bucketing`: torch's decides
 by estimated runtimes and a memory-ratio budget, and it reorders compute too.
 zppc's contract is a stated prefetch depth with a hard bound on gathered
@@ -37,6 +40,7 @@ graph in this order; for Inductor the backend keeps it, see `backend.py`).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import fx
 from zppc.passes.zero import (
     COLLECTIVE_KINDS,
@@ -103,6 +107,7 @@ def overlap_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     defer_reductions(others, ctx.config.prefetch + 1, output, order)
     for m in matches:
         wait_at_first_use(m, order)
+    one_in_flight_on_gloo(matches, order)
     return gm
 
 
@@ -223,6 +228,27 @@ def defer_reductions(
             bound = output  # the tail reads something computed later
         for node in nodes:
             order.move_before(node, bound)
+
+
+def one_in_flight_on_gloo(matches: list[CollectiveMatch], order: _Order) -> None:
+    """On gloo process groups, a collective's wait moves up to just before the
+    next collective on the same group is issued: one collective in flight per
+    group, still overlapping compute. Observed here: with several in flight on
+    one gloo group (zppc's overlap, and FSDP2's prefetch alike), a rank now
+    and then died without a message, under load. NCCL (and the fake group the
+    planner uses) keep the full order. The backend is a property of the group,
+    the same on every rank."""
+    latest: dict[str, CollectiveMatch] = {}
+    for m in sorted(matches, key=lambda m: order[m.issue]):
+        before = latest.get(m.group_name)
+        if before is not None and order[before.wait] > order[m.issue] and _on_gloo(m.group_name):
+            order.move_before(before.wait, min(m.record, m.issue, key=order.__getitem__))
+        latest[m.group_name] = m
+
+
+def _on_gloo(group_name: str) -> bool:
+    group = dist.distributed_c10d._resolve_process_group(group_name)
+    return dist.get_backend(group) == "gloo"
 
 
 def _output_only_tail(wait: fx.Node, order: _Order) -> set[fx.Node]:

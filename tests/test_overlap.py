@@ -258,3 +258,13 @@ def test_positions_stay_ordered_after_many_moves_into_one_gap():
         cursor = node
     listed = list(graph.nodes)
     assert all(order[a] < order[b] for a, b in zip(listed, listed[1:], strict=False))
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_gloo_groups_have_one_collective_in_flight():
+    from spawn import run_ranks
+    from workers import in_flight_per_group
+
+    for most in run_ranks(in_flight_per_group, 4, timeout=540):
+        assert most and max(most.values()) == 1, most

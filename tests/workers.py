@@ -496,3 +496,31 @@ def gpt_step_ledger(rank, world, config_kwargs):
     zppc.reset_comm_stats()
     step(tokens[:, :-1], tokens[:, 1:]).backward()
     return zppc.comm_stats().as_dict()
+
+
+def in_flight_per_group(rank, world):
+    """The most collectives in flight at once on any one process group, in the
+    final graphs of a GPT step on gloo (zero3 + hpZ on 2 x 2, small buckets)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = MODELS["gpt"]()
+    config = zppc.Config(node_size=2, lowering="eager", hpz=True, bucket_bytes=20_000)
+    zppc.distribute(net, config)
+    step = torch.compile(net, backend="zppc")
+    x, y = net.batch(0)
+    step(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+    from zppc.passes.zero import find_collectives
+
+    most = {}
+    for record in zppc.inspect(step).compiles:
+        for kind, gm in record.final.items():
+            pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+            for m in find_collectives(gm.graph):
+                alive = sum(
+                    1
+                    for o in find_collectives(gm.graph)
+                    if o.group_name == m.group_name and pos[o.issue] <= pos[m.issue] < pos[o.wait]
+                )
+                key = (kind, m.group_name)
+                most[key] = max(most.get(key, 0), alive)
+    return most
