@@ -515,10 +515,11 @@ def in_flight_per_group(rank, world):
     for record in zppc.inspect(step).compiles:
         for kind, gm in record.final.items():
             pos = {n: i for i, n in enumerate(gm.graph.nodes)}
-            for m in find_collectives(gm.graph):
+            matches = find_collectives(gm.graph)
+            for m in matches:
                 alive = sum(
                     1
-                    for o in find_collectives(gm.graph)
+                    for o in matches
                     if o.group_name == m.group_name and pos[o.issue] <= pos[m.issue] < pos[o.wait]
                 )
                 key = (kind, m.group_name)

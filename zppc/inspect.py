@@ -140,7 +140,7 @@ def dump_compile(record: CompileRecord, index: int, kind: str) -> Path | None:
     where.mkdir(parents=True, exist_ok=True)
     for k, r in enumerate(record.passes[kind]):
         (where / f"{kind}_{k:02d}_{r.name}.py").write_text(r.code)
-    if kind == "backward" or "backward" not in record.passes or not record.passes["backward"]:
+    if kind == "backward" or not record.passes["backward"]:
         (where / "schedule.json").write_text(json.dumps(_record_json(record), indent=1))
     log.info("zppc: wrote the %s graph of compile %d to %s", kind, index, where)
     return where
