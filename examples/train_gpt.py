@@ -13,6 +13,7 @@ import argparse
 import os
 import signal
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -64,12 +65,40 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+def init_process_group() -> None:
+    """gloo, with every torchrun attempt in its own namespace of the store.
+
+    torchrun (2.13) shares its rendezvous store with the workers and, on a
+    restart, the new workers can read the addresses the killed attempt left
+    there: gloo then connects to a dead port ("connectFullMesh failed ...
+    Connection refused"; pytorch/pytorch#135712). Prefixing the keys with the
+    restart count keeps attempts apart.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group("gloo")
+        return
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=False,
+        timeout=timedelta(minutes=5),
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(f"zppc_attempt_{attempt}", store),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+    )
+
+
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(
         max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     )
-    dist.init_process_group("gloo")
+    init_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
 
