@@ -3,6 +3,7 @@ collectives, side by side.
 
     torchrun --nproc-per-node 4 benchmarks/accuracy.py --suite qwz --node-size 2
     torchrun --nproc-per-node 4 benchmarks/accuracy.py --suite zeropp --node-size 2 --dtype bfloat16
+    torchrun --nproc-per-node 4 benchmarks/accuracy.py --suite osp --node-size 2
 
 Every configuration of a suite trains from the same initial weights on the
 same batches (byte-level Python standard library source). Writes a markdown
@@ -29,6 +30,11 @@ SUITES = {
         "zero3": {},
         "zero3 + qwz int8": {"qwz": "int8"},
         "zero3 + qwz int4": {"qwz": "int4"},
+    },
+    "osp": {
+        "zero3": {},
+        "zero3 + osp 0.5 (LGP)": {"osp": 0.5},
+        "zero3 + osp 0.5, stale (no LGP)": {"osp": 0.5, "osp_lgp": False},
     },
     "zeropp": {
         "zero3": {},

@@ -40,6 +40,7 @@ CONFIGS: dict[str, tuple[str, dict | None]] = {
     "zppc-zero3-qgz": ("zppc", {"strategy": "zero3", "qgz": "int4"}),
     "zppc-zero++": ("zppc", {"strategy": "zero3", "qwz": "int8", "hpz": True, "qgz": "int4"}),
     "zppc-osp": ("zppc", {"strategy": "zero3", "osp": 0.5}),
+    "zppc-ddp-osp": ("zppc", {"strategy": "ddp", "osp": 0.5}),
     "zppc-rtp": ("zppc", {"strategy": "rtp"}),
 }
 

@@ -18,7 +18,7 @@ from torch import fx
 
 # Every pass zppc knows, in pipeline order. Config.disable_passes is checked
 # against this tuple, so it must not import anything heavy.
-PASS_NAMES = ("dedupe_unshard", "zero", "qwz", "bucket", "qgz", "sync_buffers", "overlap")
+PASS_NAMES = ("dedupe_unshard", "osp", "zero", "qwz", "bucket", "qgz", "sync_buffers", "overlap")
 
 log = logging.getLogger("zppc.passes")
 
@@ -56,6 +56,9 @@ class PassContext:
     buffer_inputs: tuple[int, ...] = ()
     """Positions of the model's buffers among the graph's inputs (dynamo's
     order, which aot_autograd's forward keeps)."""
+    input_fqns: tuple[str | None, ...] = ()
+    """Per graph input (the same order): the parameter whose flat shard it is,
+    or None. A backward's outputs are the gradients of these inputs."""
 
     @property
     def groups(self):
@@ -67,6 +70,7 @@ def build_passes(config) -> list[GraphPass]:
     """The ordered pass list for `config`."""
     from zppc.passes.bucket import bucket_pass
     from zppc.passes.dedupe import dedupe_unshard_pass
+    from zppc.passes.osp import osp_pass
     from zppc.passes.overlap import overlap_pass
     from zppc.passes.qgz import qgz_pass
     from zppc.passes.qwz import qwz_pass
@@ -75,8 +79,10 @@ def build_passes(config) -> list[GraphPass]:
 
     passes = [
         GraphPass("dedupe_unshard", dedupe_unshard_pass, ("dynamo",)),
-        GraphPass("zero", zero_pass, ("forward", "backward")),
     ]
+    if config.osp is not None:
+        passes.append(GraphPass("osp", osp_pass, ("backward",)))
+    passes.append(GraphPass("zero", zero_pass, ("forward", "backward")))
     if config.qwz is not None:
         passes.append(GraphPass("qwz", qwz_pass, ("forward", "backward")))
     passes.append(GraphPass("bucket", bucket_pass, ("forward", "backward")))

@@ -137,6 +137,22 @@ def setup_groups(
     return groups
 
 
+def side_world_group(topology: Topology, timeout_s: float | None = None) -> str:
+    """A second group over the whole world (collective: every rank calls it in
+    the same order). Collectives left in flight across steps (OSP's stage 2)
+    run on it, so they never queue behind, or share a gloo connection with,
+    the collectives the next forward issues."""
+    timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
+    group = dist.new_group(list(range(topology.world_size)), timeout=timeout)
+    _SIDE_GROUPS.append(group)
+    _NODE_SIZE[(world_epoch(), group.group_name)] = topology.node_size
+    return group.group_name
+
+
+# Keeps the side groups alive (and their names unique) for the process's life.
+_SIDE_GROUPS: list[dist.ProcessGroup] = []
+
+
 def _set_timeout(group: dist.ProcessGroup, timeout: timedelta) -> None:
     """The timeout of every later operation on `group` (a mesh's groups are
     created before zppc can pass one)."""

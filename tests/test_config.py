@@ -60,7 +60,7 @@ def test_bad_values_name_the_field(kwargs, words):
 
 
 def test_unbuilt_features_refuse_instead_of_ignoring():
-    for kwargs in (dict(osp=0.3), dict(strategy="rtp")):
+    for kwargs in (dict(strategy="rtp"), dict(osp=0.3, osp_split="magnitude")):
         with pytest.raises(NotImplementedError, match="not implemented yet"):
             zppc.Config(**kwargs)
 

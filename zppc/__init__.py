@@ -6,7 +6,13 @@ step = torch.compile(model, backend="zppc")
 
 from zppc.checkpoint import load, save
 from zppc.config import Config
-from zppc.distribute import distribute, full_parameters, no_sync, set_requires_gradient_sync
+from zppc.distribute import (
+    distribute,
+    full_parameters,
+    no_sync,
+    set_requires_gradient_sync,
+    synchronize,
+)
 from zppc.inspect import inspect
 from zppc.runtime.failures import CollectiveError
 from zppc.runtime.ledger import CommStats, comm_stats, reset_comm_stats
@@ -24,5 +30,6 @@ __all__ = [
     "reset_comm_stats",
     "save",
     "set_requires_gradient_sync",
+    "synchronize",
 ]
 __version__ = "0.1.0"

@@ -8,6 +8,7 @@ execution (`lowering="eager"`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from copy import deepcopy
 from functools import partial
 from typing import Any
 
@@ -100,6 +101,28 @@ def _only_live_state() -> DistributedState | None:
 
 
 def compile_distributed(gm, example_inputs, config: Config, state: DistributedState | None):
+    compiled = _compile_distributed(gm, example_inputs, config, state)
+    if state is None or state.osp is None:
+        return compiled
+    return _synchronizing_outside_training(compiled, state)
+
+
+def _synchronizing_outside_training(compiled, state: DistributedState):
+    """`compiled`, completing OSP's stage 2 before any forward that is not a
+    training step (eval mode, or no autograd): evaluation sees the
+    synchronous-equivalent parameters."""
+
+    def run(*args):
+        model = state.model_ref()
+        if not torch.is_grad_enabled() or (model is not None and not model.training):
+            state.osp.synchronize()
+        return compiled(*args)
+
+    run._boxed_call = getattr(compiled, "_boxed_call", False)
+    return run
+
+
+def _compile_distributed(gm, example_inputs, config: Config, state: DistributedState | None):
     record = CompileRecord(config=config)
     register_compile(record, state)
     gm = run_passes(gm, PassContext(config, "dynamo", record.passes["dynamo"], state))
@@ -111,13 +134,17 @@ def compile_distributed(gm, example_inputs, config: Config, state: DistributedSt
     )
     buffer_ids = state.buffer_ids() if state is not None else set()
     buffer_inputs = tuple(i for i, t in enumerate(example_inputs) if id(t) in buffer_ids)
+    fqn_of_flat = {id(f): fqn for fqn, f in state.flat_shards.items()} if state else {}
+    input_fqns = tuple(fqn_of_flat.get(id(t)) for t in example_inputs)
 
     def passes_then(lower):
         def compiler(graph: fx.GraphModule, inputs, **kw):
             kind = "backward" if kw.get("is_backward") else "forward"
-            ctx = PassContext(config, kind, record.passes[kind], state, buffer_inputs)
+            ctx = PassContext(config, kind, record.passes[kind], state, buffer_inputs, input_fqns)
             graph = run_passes(graph, ctx)
-            record.final[kind] = graph
+            # Inductor rewrites the graph it is given in place (post-grad
+            # passes): the record keeps zppc's final graph, as the passes left it.
+            record.final[kind] = graph if config.lowering == "eager" else _copy_graph_module(graph)
             dump_compile(record, len(records_for(state)) - 1, kind)
             what = describe(kind, graph, config)  # before Inductor rewrites the graph
             return boxed_naming_failures(lower(graph, inputs, **kw), what)
@@ -167,6 +194,14 @@ def compile_distributed(gm, example_inputs, config: Config, state: DistributedSt
         functorch_config.patch(enable_autograd_cache=False, donated_buffer=donation_is_sound),
     ):
         return compile_fx(gm, example_inputs, inner_compile=passes_then(inner_compile))
+
+
+def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A new module over a copy of `gm`'s graph; nodes keep their meta (the
+    traced values the schedule and the cost model read)."""
+    copy = fx.GraphModule(gm, deepcopy(gm.graph))
+    copy.meta.update(gm.meta)
+    return copy
 
 
 def describe(kind: str, gm: fx.GraphModule, config: Config) -> str:

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from zppc.distribute import state_of
+from zppc.distribute import state_of, synchronize
 from zppc.runtime.failures import naming_failures
 from zppc.runtime.topology import world_group
 
@@ -59,7 +59,8 @@ def save(
 ) -> None:
     """Write this rank's pieces of the model (and optimizer) state to `path`;
     `extra`: tensors of the training loop's own (a step counter), the same on
-    every rank, saved beside them."""
+    every rank, saved beside them. OSP's pending stage 2 completes first."""
+    synchronize(model)
     sd = _state_dicts(model, opt)
     if extra:
         sd["extra"] = dict(extra)
@@ -133,7 +134,9 @@ def load(
 ) -> None:
     """Read the checkpoint at `path` into the model (and the optimizer),
     whatever the world size it was saved with; the tensors of `extra` are
-    filled in place from those `save` was given."""
+    filled in place from those `save` was given. OSP's pending stage 2
+    completes first (the loaded values then replace what it produced)."""
+    synchronize(model)
     sd = _state_dicts(model, opt)
     if extra:
         sd["extra"] = extra

@@ -256,7 +256,8 @@ def _print_table(plan, args, other, other_args, out) -> None:
         print(
             f"{r['graph']:9s} {r['index']:3d} {r['kind']:15s} {r['group_size']:5d} {r['bytes_per_peer']:12,d} "
             f"{r['intra_node_bytes']:14,d} {r['inter_node_bytes']:14,d} {r['node_link_bytes']:14,d} "
-            f"{r['predicted_seconds'] * 1e3:9.3f}",
+            f"{r['predicted_seconds'] * 1e3:9.3f}"
+            f"{'  OSP stage 2 (in flight into the next step)' if r['stage'] == 2 else ''}",
             file=out,
         )
     print(f"total: {_summary(plan)}", file=out)

@@ -34,9 +34,9 @@ QGZ_DEFAULT_BLOCK = 64
 # Features that are part of the contract but not built yet. Asking for one is an
 # error, never a silent no-op.
 NOT_YET_BUILT = {
-    "osp": "OSP two-stage gradient synchronization",
     "rtp": "RTP rotated weight shards",
 }
+OSP_SPLITS = ("last", "magnitude")
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,21 @@ class Config:
     reduce-scatter up to summation order."""
 
     osp: float | None = None
-    """OSP: the fraction of gradient bytes deferred to stage 2, in (0, 1)."""
+    """OSP: the fraction of gradient bytes deferred to stage 2, in (0, 1): the
+    reductions of the gradients produced last in backward (the first layers')
+    are issued asynchronously and complete while the next iteration computes.
+    None: every gradient is reduced before the optimizer step."""
+
+    osp_lgp: bool = True
+    """With `osp`: step stage-2 parameters at once with this rank's local
+    gradient and, when the global one lands (before the next step), redo that
+    step from the saved values with it (local-gradient parameter correction).
+    False: each step uses the previous iteration's global gradient (one-step
+    stale), for comparison."""
+
+    osp_split: str = "last"
+    """How `osp` picks stage 2: "last" (the gradients produced last in
+    backward). "magnitude" is part of the contract, not built yet."""
 
     node_size: int | None = None
     """Ranks per node. None: the last dim of `mesh` if given, else the
@@ -195,7 +209,8 @@ class Config:
                 "keep_gathered_bytes applies to strategy='zero3' (the other strategies keep "
                 f"every gathered weight for backward), got strategy={self.strategy!r}"
             )
-        for name in ("hpz", "qgz_quantize", "qgz_error_feedback"):
+        _check_choice("osp_split", self.osp_split, OSP_SPLITS)
+        for name in ("hpz", "qgz_quantize", "qgz_error_feedback", "osp_lgp"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.node_size is not None and (
@@ -245,6 +260,12 @@ class Config:
             raise ValueError(
                 "qgz_error_feedback needs qgz set and quantizing (qgz_quantize=True), "
                 f"got qgz={self.qgz!r}, qgz_quantize={self.qgz_quantize}"
+            )
+        if self.osp is not None and self.osp_split == "magnitude":
+            raise NotImplementedError("zppc: osp_split='magnitude' is not implemented yet")
+        if self.osp is not None and self.qgz is not None:
+            raise NotImplementedError(
+                "zppc: osp with qgz (a quantized stage-2 reduction) is not implemented yet"
             )
         if self.strategy == "rtp" and (self.qwz or self.hpz or self.qgz):
             raise ValueError("strategy='rtp' does not combine with qwz, hpz or qgz")

@@ -165,20 +165,35 @@ def simulate(
     """Replay `graphs` (name, graph, its schedule entries in program order) on
     a compute clock and a communication clock: a collective starts when it is
     issued and the link is free, a wait holds compute until its collective is
-    done. The timeline merges the compute between two such events into one span."""
-    from zppc.passes.zero import find_collectives
+    done. The timeline merges the compute between two such events into one span.
 
-    compute = comm_free = 0.0
-    busy_compute = busy_comm = 0.0
-    timeline: list[Span] = []
+    OSP's stage 2 has no wait: the step ends when compute and stage 1 are done
+    (and not before the link could carry all of its bytes), and in the steady
+    state the previous step's stage 2 still holds the link for as long as it
+    outlived that end (the replay runs twice to find it)."""
+    spill = _replay(graphs, links, flops_per_second, flop_scale, 0.0)[1]
+    return _replay(graphs, links, flops_per_second, flop_scale, spill)[0]
+
+
+def _replay(graphs, links, flops_per_second, flop_scale, carried: float):
+    """(the estimate, how long stage 2 outlives the step) with the link busy
+    for `carried` seconds at the start."""
+    from zppc.schedule import schedule_points
+
+    compute = stage1_done = 0.0
+    comm_free = carried
+    busy_compute, busy_comm = 0.0, carried
+    timeline = [Span("communication", "stage 2 of the previous step", "", 0.0, carried)] * (
+        carried > 0
+    )
     for name, gm, entries in graphs:
-        matches = find_collectives(gm.graph)
+        points = schedule_points(gm.graph)
         done_at: dict[fx.Node, float] = {}
-        issue_of = {m.issue: (m, e) for m, e in zip(matches, entries, strict=True)}
-        wait_of = {m.wait: m for m in matches}
+        issue_of = {p.issue: (p, e) for p, e in zip(points, entries, strict=True)}
+        waits = {p.wait for p in points if p.wait is not None}
         span_start, span_flops = compute, 0
         for node in gm.graph.nodes:
-            if node not in issue_of and node not in wait_of:
+            if node not in issue_of and node not in waits:
                 flops = node_flops(node) * flop_scale
                 compute += flops / flops_per_second
                 busy_compute += flops / flops_per_second
@@ -186,17 +201,23 @@ def simulate(
                 continue
             timeline.extend(_compute_span(name, span_start, compute, span_flops))
             if node in issue_of:
-                m, entry = issue_of[node]
+                point, entry = issue_of[node]
                 cost = links.seconds(entry.intra_node_bytes, entry.inter_node_bytes)
                 start = max(compute, comm_free)
-                comm_free = done_at[m.wait] = start + cost
+                comm_free = start + cost
+                if point.wait is not None:
+                    done_at[point.wait] = comm_free
+                    stage1_done = max(stage1_done, comm_free)
                 busy_comm += cost
                 timeline.append(_communication_span(name, entry, start, cost))
             else:
                 compute = max(compute, done_at[node])
             span_start, span_flops = compute, 0
         timeline.extend(_compute_span(name, span_start, compute, span_flops))
-    return StepEstimate(busy_compute, busy_comm, max(compute, comm_free), tuple(timeline))
+    # The link carries every step's bytes, stage 2 included, once per step.
+    end = max(compute, stage1_done, busy_comm - carried)
+    estimate = StepEstimate(busy_compute, busy_comm - carried, end, tuple(timeline))
+    return estimate, max(0.0, comm_free - end)
 
 
 def _compute_span(graph: str, start: float, end: float, flops: float) -> list[Span]:

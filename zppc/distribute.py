@@ -43,12 +43,15 @@ import zppc.ir  # noqa: F401  (registers zppc::unshard / zppc::reduce_grad)
 from zppc.config import Config
 from zppc.runtime.collectives import all_gather_ints, broadcast_from_first
 from zppc.runtime.grad_sync import GradSync, gathered, new_grad_sync
+from zppc.runtime.osp import OspState, before_optimizer_step, stepping_subset
+from zppc.runtime.osp import register as register_osp
 from zppc.runtime.topology import (
     Groups,
     Topology,
     default_node_size,
     device_type,
     setup_groups,
+    side_world_group,
     world_group,
 )
 
@@ -164,6 +167,8 @@ class DistributedState:
     """Optimizer steps skipped for non-finite gradients (`Config.nonfinite_grads`)."""
     model_ref: Any = None
     """Weak reference to the distributed model (its buffers are found from it)."""
+    osp: OspState | None = None
+    """OSP's stage-2 bookkeeping (`Config.osp` set)."""
     qgz_residuals: dict[str, Tensor] = field(default_factory=dict)
     """qgZ error feedback: this rank's quantization error per compile, bucket and
     hop, added before the next step's quantization (saved by `zppc.save`)."""
@@ -247,6 +252,14 @@ def distribute(model: nn.Module, config: Config | None = None) -> nn.Module:
     state = DistributedState(
         config=config, topology=topology, groups=groups, mesh=mesh, model_ref=weakref.ref(model)
     )
+    if config.osp is not None:
+        state.osp = OspState(
+            index=state.grad_sync.index,
+            lgp=config.osp_lgp,
+            group_name=side_world_group(topology, config.timeout_s),
+            model_state=weakref.ref(state),
+        )
+        register_osp(state.osp)
     by_param: dict[int, str] = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
         for name, param in list(module.named_parameters(recurse=False)):
@@ -315,6 +328,7 @@ def _guard_optimizers() -> None:
             cls.add_param_group = _refusing_sharded(cls.add_param_group)
     register_optimizer_step_pre_hook(_prefer_foreach)
     register_optimizer_step_pre_hook(_skip_nonfinite_steps)
+    register_optimizer_step_pre_hook(before_optimizer_step)
     register_optimizer_step_post_hook(_restore_skipped_grads)
     _GUARD_INSTALLED[0] = True
 
@@ -376,6 +390,8 @@ def _skip_nonfinite_steps(optimizer, args, kwargs) -> None:
     model's gradients, every rank skips the step (its gradients are hidden from
     the optimizer until the step returns) or raises, as `Config.nonfinite_grads`
     says. One all-gather of a flag per model decides it, so ranks never differ."""
+    if stepping_subset():  # OSP redoing a step: these gradients were checked
+        return
     states = {
         id(state): state
         for group in optimizer.param_groups
@@ -741,6 +757,20 @@ def no_sync(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         set_requires_gradient_sync(model, True)
+
+
+def synchronize(model: nn.Module) -> None:
+    """Complete OSP's pending stage 2: wait for the reductions still in flight
+    and apply what they owe (LGP's correction, or the stale step), so every
+    rank holds the synchronous-equivalent parameters. `zppc.save`, `zppc.load`
+    and a forward in eval mode or under `torch.no_grad()` call it. Nothing to
+    do without `Config.osp`. Collective only in that it waits for collectives
+    every rank issued; call it on every rank."""
+    state = state_of(model)
+    if state is None:
+        raise ValueError("synchronize needs a model passed to zppc.distribute")
+    if state.osp is not None:
+        state.osp.synchronize()
 
 
 @torch.no_grad()

@@ -92,6 +92,7 @@ class Inspection:
             lines.append(
                 f"  {c.graph:8s} {c.index:3d} {c.kind:15s} {c.group_size:5d} "
                 f"{c.intra_node_bytes:12d} {c.inter_node_bytes:12d}"
+                f"{'  OSP stage 2' if c.stage == 2 else ''}"
             )
         return "\n".join(lines)
 

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import fx
 
 from zppc.passes.zero import UNQUANTIZED_BYTES, find_collectives
+from zppc.runtime import osp  # noqa: F401  (registers zppc::osp_issue)
 from zppc.runtime.collectives import bytes_per_peer
 from zppc.runtime.ledger import node_link_bytes, received
 from zppc.runtime.topology import group_ranks
+
+OSP_ISSUE = torch.ops.zppc.osp_issue.default
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,46 @@ class ScheduledCollective:
     node_link_bytes: int = 0
     """Bytes entering this rank's node over its inter-node link, all its ranks
     counted, under the ring / direct algorithms (`ledger.node_link_bytes`)."""
+    stage: int = 1
+    """2: an OSP stage-2 reduction, issued here and left in flight past the end
+    of the graph (it completes while the next iteration computes)."""
+
+
+@dataclass(frozen=True)
+class SchedulePoint:
+    """Where a graph issues one collective and where it waits for it (None: not
+    in this graph, OSP's stage 2), with what it sends."""
+
+    issue: fx.Node
+    wait: fx.Node | None
+    kind: str
+    group_name: str
+    sent: torch.Tensor
+    """The input on this rank (its size and dtype are what count)."""
+    unquantized_bytes_per_peer: int | None
+    stage: int = 1
+
+
+def schedule_points(graph: fx.Graph) -> list[SchedulePoint]:
+    """Every collective of a final graph, in program order of its issue."""
+    from zppc.runtime.osp import stage2_point
+
+    points = [
+        SchedulePoint(
+            m.issue,
+            m.wait,
+            m.kind,
+            m.group_name,
+            m.input.meta["val"],
+            m.wait.meta.get(UNQUANTIZED_BYTES),
+        )
+        for m in find_collectives(graph)
+    ]
+    points += [
+        stage2_point(node) for node in graph.find_nodes(op="call_function", target=OSP_ISSUE)
+    ]
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    return sorted(points, key=lambda p: order[p.issue])
 
 
 @dataclass
@@ -57,13 +101,14 @@ class CompileRecord:
 
 
 def graph_schedule(gm: fx.GraphModule, graph: str, rank: int) -> list[ScheduledCollective]:
-    """The collectives of one graph in program order (one per ledger hook)."""
+    """The collectives of one graph in program order of their issue."""
     result = []
-    for m in find_collectives(gm.graph):
-        kind, group_name = m.kind, m.group_name
+    for point in schedule_points(gm.graph):
+        kind, group_name = point.kind, point.group_name
         ranks = group_ranks(group_name)
-        per_peer = bytes_per_peer(kind, m.input.meta["val"], len(ranks))
+        per_peer = bytes_per_peer(kind, point.sent, len(ranks))
         intra, inter = received(kind, group_name, rank, per_peer)
+        unquantized = point.unquantized_bytes_per_peer
         result.append(
             ScheduledCollective(
                 graph=graph,
@@ -74,8 +119,9 @@ def graph_schedule(gm: fx.GraphModule, graph: str, rank: int) -> list[ScheduledC
                 bytes_per_peer=per_peer,
                 intra_node_bytes=intra,
                 inter_node_bytes=inter,
-                unquantized_bytes_per_peer=m.wait.meta.get(UNQUANTIZED_BYTES, per_peer),
+                unquantized_bytes_per_peer=per_peer if unquantized is None else unquantized,
                 node_link_bytes=node_link_bytes(kind, group_name, rank, per_peer),
+                stage=point.stage,
             )
         )
     return result

@@ -1,0 +1,377 @@
+"""OSP (arXiv 2306.16926): two-stage gradient synchronization with
+local-gradient parameter correction (LGP), zppc's definition.
+
+The `osp` pass turns the reductions of the gradients produced last in backward
+(a fraction `Config.osp` of the gradient bytes) into `zppc::osp_issue`: the
+reduction is issued asynchronously on a side group and left in flight past the
+end of the graph, and the parameter receives this rank's own gradient (for a
+zero* shard: this rank's slice of its local gradient) in its place. Stage 1,
+the rest, is reduced in the graph as always.
+
+At each optimizer step on a model's parameters (a global step pre-hook; the
+step is not in the compiled graph), for the stage-2 parameters in that
+optimizer:
+
+- LGP (`osp_lgp=True`): the step of the previous iteration, taken with local
+  gradients, is redone now that its global gradient has landed: the saved
+  values before that step (parameter, optimizer state, the group's settings)
+  come back and the optimizer steps them with the gradient the step used plus
+  (global mean - local) of every reduction of that iteration. Then this step's
+  pre-step values are saved, and this step uses the local gradients. So only
+  one forward and backward ever sees parameters moved by local gradients.
+- Stale (`osp_lgp=False`): this step uses the global gradient of the previous
+  iteration (none at the first step: the stage-2 parameters do not move).
+
+`synchronize` completes everything pending (an LGP redo, or the stale step
+still owed), so every rank then holds the synchronous-equivalent values.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from zppc.runtime.collectives import bytes_per_peer
+from zppc.runtime.failures import naming_failures
+from zppc.runtime.ledger import record
+from zppc.runtime.topology import group_ranks
+
+_GROUP_FROM_NAME = dist.distributed_c10d._resolve_process_group
+
+
+@dataclass
+class Reduction:
+    """One stage-2 bucket's collective, issued by a backward and not yet waited."""
+
+    work: dist.Work
+    total: Tensor
+    """Receives the sum over ranks (this rank's shards for zero2/3, the whole
+    bucket otherwise)."""
+    mode: str
+    group_name: str
+    _mean: Tensor | None = None
+
+    def mean(self) -> Tensor:
+        """This rank's part of the bucket's global mean, in fp32 (waits once)."""
+        if self._mean is None:
+            where = f"OSP's stage-2 reduction over ranks {group_ranks(self.group_name)}"
+            with naming_failures(where):
+                self.work.wait()
+            group = _GROUP_FROM_NAME(self.group_name)
+            total = self.total
+            if self.mode == "zero1":
+                total = total.view(group.size(), -1)[dist.get_rank(group)]
+            self._mean = total.float() / group.size()
+            self.total = None
+        return self._mean
+
+
+@dataclass
+class InFlight:
+    """One parameter's part of a stage-2 reduction."""
+
+    reduction: Reduction
+    offset: int
+    local: Tensor
+    """What the backward gave the parameter instead: this rank's own gradient."""
+
+    def mean(self) -> Tensor:
+        flat = self.reduction.mean()[self.offset : self.offset + self.local.numel()]
+        return flat.view(self.local.shape)
+
+    def wait(self) -> None:
+        self.reduction.mean()
+
+
+def _global_mean(in_flight: list[InFlight]) -> Tensor:
+    return sum(f.mean() for f in in_flight)
+
+
+def _corrected(grad: Tensor, in_flight: list[InFlight]) -> Tensor:
+    """`grad` (what a step used, or what the backwards left) with each local
+    gradient replaced by its global mean: sum of means + (grad - sum of
+    locals). The second term is exactly zero when nothing changed the
+    gradient in between, so ranks end with bit-identical results."""
+    local = sum(f.local.float() for f in in_flight)
+    return (_global_mean(in_flight) + (grad.float() - local)).to(grad.dtype)
+
+
+@dataclass
+class TakenStep:
+    """An optimizer step a stage-2 parameter took with its local gradient, and
+    what redoing it needs."""
+
+    optimizer: weakref.ref
+    value: Tensor
+    """The flat shard before the step."""
+    state: dict
+    """The parameter's optimizer state before the step (copies)."""
+    grad: Tensor
+    """The flat gradient the step used."""
+    settings: dict
+    """Its param group's settings (lr, ...) at that step."""
+    in_flight: list[InFlight]
+
+
+@dataclass
+class OspState:
+    """One model's stage-2 bookkeeping on this rank."""
+
+    index: int
+    """The model's index among `distribute` calls (the same on every rank)."""
+    lgp: bool
+    group_name: str
+    """The side group stage 2 runs on."""
+    model_state: weakref.ref
+    """The model's `DistributedState`."""
+    stage2: set[str] = field(default_factory=set)
+    """Parameters whose gradients some compiled backward defers to stage 2."""
+    in_flight: dict[str, list[InFlight]] = field(default_factory=dict)
+    """Reductions issued since the last optimizer step, by parameter."""
+    taken: dict[str, TakenStep] = field(default_factory=dict)
+    """LGP: steps taken with local gradients, to redo."""
+    owed: dict[str, tuple[weakref.ref, list[InFlight]]] = field(default_factory=dict)
+    """Stale: the reductions the next step (or `synchronize`) applies, with the
+    optimizer that stepped the parameter last."""
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        state = self.model_state()
+        ours = [fqn for fqn in sorted(self.stage2) if _holds(optimizer, state.parameter(fqn))]
+        if self.lgp:
+            self._redo([fqn for fqn in ours if fqn in self.taken])
+            for fqn in ours:
+                in_flight = self.in_flight.pop(fqn, [])
+                if in_flight and state.parameter(fqn).grad is not None:
+                    self.taken[fqn] = _take_snapshot(optimizer, state, fqn, in_flight)
+            return
+        for fqn in ours:
+            _, owed = self.owed.pop(fqn, (None, []))
+            flat, param = state.shard(fqn), state.parameter(fqn)
+            if owed and param.grad is not None:
+                with torch.no_grad():
+                    flat.grad.copy_(_global_mean(owed))
+            else:  # nothing global yet (first step): the parameter does not move
+                param.grad = None
+            self.owed[fqn] = (weakref.ref(optimizer), self.in_flight.pop(fqn, []))
+
+    def synchronize(self) -> None:
+        """Complete every pending stage-2 reduction and what it owes."""
+        state = self.model_state()
+        if self.lgp:
+            self._redo(sorted(self.taken))
+        else:
+            by_optimizer: dict[int, tuple[torch.optim.Optimizer, dict[str, Tensor]]] = {}
+            for fqn, (optimizer_ref, owed) in sorted(self.owed.items()):
+                optimizer = optimizer_ref()
+                if owed and optimizer is not None:
+                    grads = by_optimizer.setdefault(id(optimizer), (optimizer, {}))[1]
+                    grads[fqn] = _global_mean(owed).to(state.shard(fqn).dtype)
+            self.owed.clear()
+            for optimizer, grads in by_optimizer.values():
+                _step_only(optimizer, state, grads, settings=None)
+        # Backwards run since the last step: their gradients become global ones.
+        for fqn, in_flight in sorted(self.in_flight.items()):
+            flat = state.shard(fqn)
+            if flat.grad is not None:
+                with torch.no_grad():
+                    flat.grad.copy_(_corrected(flat.grad, in_flight))
+            else:
+                for f in in_flight:
+                    f.wait()
+        self.in_flight.clear()
+
+    def _redo(self, fqns: list[str]) -> None:
+        """LGP's correction of the steps `fqns` took with local gradients."""
+        state = self.model_state()
+        by_optimizer: dict[int, list[tuple[str, TakenStep]]] = {}
+        for fqn in fqns:
+            taken = self.taken.pop(fqn)
+            if taken.optimizer() is not None:
+                by_optimizer.setdefault(id(taken.optimizer()), []).append((fqn, taken))
+        for items in by_optimizer.values():
+            optimizer = items[0][1].optimizer()
+            grads, settings = {}, {}
+            for fqn, taken in items:
+                flat, param = state.shard(fqn), state.parameter(fqn)
+                grads[fqn] = _corrected(taken.grad, taken.in_flight)
+                with torch.no_grad():
+                    flat.copy_(taken.value)
+                if taken.state:
+                    optimizer.state[param] = taken.state
+                else:
+                    optimizer.state.pop(param, None)
+                settings[fqn] = taken.settings
+            _step_only(optimizer, state, grads, settings)
+
+
+def _holds(optimizer: torch.optim.Optimizer, param: Tensor) -> bool:
+    return any(p is param for group in optimizer.param_groups for p in group["params"])
+
+
+def _group_of(optimizer: torch.optim.Optimizer, param: Tensor) -> dict:
+    return next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
+
+
+def _settings(group: dict) -> dict:
+    return {k: copy.deepcopy(v) for k, v in group.items() if k != "params"}
+
+
+def _take_snapshot(optimizer, state, fqn: str, in_flight: list[InFlight]) -> TakenStep:
+    flat, param = state.shard(fqn), state.parameter(fqn)
+    saved = {
+        k: v.clone() if isinstance(v, Tensor) else copy.deepcopy(v)
+        for k, v in optimizer.state.get(param, {}).items()
+    }
+    return TakenStep(
+        optimizer=weakref.ref(optimizer),
+        value=flat.detach().clone(),
+        state=saved,
+        grad=flat.grad.detach().clone(),
+        settings=_settings(_group_of(optimizer, param)),
+        in_flight=in_flight,
+    )
+
+
+# Set while zppc steps an optimizer on a subset of parameters: zppc's own step
+# hooks (this one, the non-finite check) stay out of that step.
+_STEPPING_SUBSET = [False]
+
+
+def stepping_subset() -> bool:
+    return _STEPPING_SUBSET[0]
+
+
+def _step_only(optimizer, state, grads: dict[str, Tensor], settings: dict[str, dict] | None):
+    """One optimizer step on the parameters `grads` names, with those gradients
+    (flat), the other parameters' gradients hidden; `settings`: the param group
+    settings each parameter's step uses (None: the current ones)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    hidden = [(p, p.grad) for p in params]
+    current = [_settings(group) for group in optimizer.param_groups]
+    for p in params:
+        p.grad = None
+    for fqn, grad in grads.items():
+        param = state.parameter(fqn)
+        param.grad = state.specs[fqn].as_dtensor(grad, state.mesh, dist.get_rank())
+        if settings is not None:
+            _group_of(optimizer, param).update(settings[fqn])
+    _STEPPING_SUBSET[0] = True
+    try:
+        optimizer.step()
+    finally:
+        _STEPPING_SUBSET[0] = False
+        for group, saved in zip(optimizer.param_groups, current, strict=True):
+            group.update(saved)
+        for p, grad in hidden:
+            p.grad = grad
+
+
+# Model index -> its OSP state, while the model's `DistributedState` (which
+# holds it) lives.
+_REGISTRY: weakref.WeakValueDictionary[int, OspState] = weakref.WeakValueDictionary()
+
+
+def register(osp: OspState) -> None:
+    _REGISTRY[osp.index] = osp
+
+
+def states_of(optimizer: torch.optim.Optimizer) -> list[OspState]:
+    """The OSP states of the models whose stage-2 parameters `optimizer` steps."""
+    out = []
+    for osp in list(_REGISTRY.values()):
+        state = osp.model_state()
+        if state is not None and any(
+            _holds(optimizer, state.parameter(fqn)) for fqn in sorted(osp.stage2)
+        ):
+            out.append(osp)
+    return out
+
+
+def before_optimizer_step(optimizer, args, kwargs) -> None:
+    """Global optimizer step pre-hook (see the module doc)."""
+    if stepping_subset():
+        return
+    for osp in states_of(optimizer):
+        osp.before_step(optimizer)
+
+
+@torch.library.custom_op("zppc::osp_issue", mutates_args=())
+def osp_issue(
+    grads: list[Tensor],
+    model: int,
+    fqns: str,
+    shard_numels: list[int],
+    mode: str,
+    reduce_dtype: torch.dtype | None,
+    out_dtype: torch.dtype,
+) -> list[Tensor]:
+    """Issue one stage-2 reduction for a bucket of gradients (each what
+    `zppc::reduce_grad` would reduce) and return this rank's own gradient for
+    each, in the shape `reduce_grad` returns. `fqns`: the parameters' names,
+    one per line (an op schema has no list of strings)."""
+    osp = _REGISTRY[model]
+    group = _GROUP_FROM_NAME(osp.group_name)
+    world, rank = group.size(), dist.get_rank(group)
+    gs = [g.detach() if reduce_dtype is None else g.detach().to(reduce_dtype) for g in grads]
+    if mode == "ddp":
+        send = torch.cat([g.reshape(-1) for g in gs])
+        sizes = [g.numel() for g in gs]
+        locals_ = [g.detach().to(out_dtype, copy=True) for g in grads]
+    else:
+        # Rank-major: row r holds every gradient's slice for rank r, so the
+        # reduce-scatter hands each rank its shards side by side.
+        send = torch.cat(
+            [
+                torch.nn.functional.pad(g.reshape(-1), (0, n * world - g.numel())).view(world, n)
+                for g, n in zip(gs, shard_numels, strict=True)
+            ],
+            dim=1,
+        ).reshape(-1)
+        sizes = list(shard_numels)
+        mine = send.view(world, -1)[rank].split(sizes)
+        locals_ = [piece.to(out_dtype, copy=True) for piece in mine]
+    if mode in ("zero2", "zero3"):
+        kind, total = "reduce_scatter", send.new_empty(sum(sizes))
+        work = dist.reduce_scatter_single(total, send, group=group, async_op=True)
+    else:
+        kind, total = "all_reduce", send
+        work = dist.all_reduce(total, group=group, async_op=True)
+    record(kind, osp.group_name, bytes_per_peer(kind, send, world))
+    reduction = Reduction(work, total, mode, osp.group_name)
+    offset = 0
+    for fqn, size, local in zip(fqns.split("\n"), sizes, locals_, strict=True):
+        # The gradient returned may become the parameter's `.grad` itself,
+        # which later backwards accumulate into: the record keeps a copy.
+        part = InFlight(reduction, offset, local.clone())
+        osp.in_flight.setdefault(fqn, []).append(part)
+        offset += size
+    return locals_
+
+
+def stage2_point(node):
+    """The schedule point of an `osp_issue` node: what its reduction sends."""
+    from zppc.schedule import SchedulePoint
+
+    grads, model, _fqns, shard_numels, mode, reduce_dtype, _out = node.args
+    vals = [g.meta["val"] for g in grads]
+    group_name = _REGISTRY[model].group_name
+    world = _GROUP_FROM_NAME(group_name).size()
+    numel = sum(v.numel() for v in vals) if mode == "ddp" else sum(shard_numels) * world
+    sent = torch.empty(numel, dtype=reduce_dtype or vals[0].dtype, device="meta")
+    kind = "reduce_scatter" if mode in ("zero2", "zero3") else "all_reduce"
+    return SchedulePoint(node, None, kind, group_name, sent, None, stage=2)
+
+
+@osp_issue.register_fake
+def _(grads, model, fqns, shard_numels, mode, reduce_dtype, out_dtype):
+    if mode == "ddp":
+        return [g.new_empty(g.shape, dtype=out_dtype) for g in grads]
+    return [g.new_empty(n, dtype=out_dtype) for g, n in zip(grads, shard_numels, strict=True)]
+
+
+# It issues a collective: never dropped or merged with another call.
+torch.fx.node.has_side_effect(torch.ops.zppc.osp_issue.default)

@@ -1,0 +1,148 @@
+"""Rank functions for tests/test_osp.py, and the reference they are compared with."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+
+import torch
+from models import OddMLP
+
+import zppc
+
+STEPS = 10
+
+
+def make_optimizer(name: str, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+
+def osp_training(rank, world, runs, lowering="eager", steps=STEPS, tmp=None):
+    """For each run (strategy, optimizer, osp_lgp, micro-batches per step, how
+    training ends): `steps` compiled steps of OddMLP with OSP (F=0.5) on this
+    rank's slice of the batch. Training ends with `zppc.synchronize` ("sync"),
+    a forward under `torch.no_grad()` ("no_grad"), one in eval mode ("eval")
+    or `zppc.save` ("save"). Returns the initial parameters, the stage-2 set,
+    this rank's parameters before and after the end, a digest of the latter,
+    and the ledger of the last step."""
+    out = {}
+    for strategy, optimizer, lgp, micro, finish in runs:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        net = OddMLP()
+        init = {n: p.detach().clone() for n, p in net.named_parameters()}
+        config = zppc.Config(strategy=strategy, osp=0.5, osp_lgp=lgp, lowering=lowering)
+        zppc.distribute(net, config)
+        opt = make_optimizer(optimizer, net.parameters())
+        step = torch.compile(net, backend="zppc")
+        for t in range(steps):
+            zppc.reset_comm_stats()
+            x, y = OddMLP.batch(t, 4 * world * micro)
+            for xs, ys in zip(x.chunk(micro), y.chunk(micro), strict=True):
+                step(xs.chunk(world)[rank], ys.chunk(world)[rank]).backward()
+            opt.step()
+            opt.zero_grad()
+        comm = zppc.comm_stats().as_dict()
+        local = {n: p.to_local().detach().clone() for n, p in net.named_parameters()}
+        if finish == "sync":
+            zppc.synchronize(net)
+        elif finish == "no_grad":
+            with torch.no_grad():
+                step(x, y)
+        elif finish == "eval":
+            net.eval()
+            step(x, y)
+        else:
+            zppc.save(net, opt, f"{tmp}/{strategy}-{optimizer}-{lgp}")
+        params = {n: p.full_tensor().detach().clone() for n, p in net.named_parameters()}
+        digest = hashlib.sha256(b"".join(params[n].numpy().tobytes() for n in sorted(params)))
+        out[(strategy, optimizer, lgp, micro, finish)] = {
+            "init": init,
+            "stage2": sorted(net._zppc_state.osp.stage2),
+            "local_before_sync": local,
+            "params": params,
+            "digest": digest.hexdigest(),
+            "comm": comm,
+        }
+    return out
+
+
+def reference(init, strategy, optimizer, lgp, micro, stage2, world, steps=STEPS):
+    """OSP's semantics on plain tensors, one model copy per rank (no zppc): the
+    parameters every rank holds after `steps` steps and the final completion.
+
+    A stage-2 parameter steps with the gradient its owner computed: for a
+    replicated one (ddp, or a 0-dim parameter) each rank's own; for a zero3
+    shard, rows from the rank that owns them (dim 0 chunked like torch.chunk).
+    With LGP, before each step the previous step of the stage-2 parameters is
+    redone from the values saved before it, with the global mean gradient;
+    without, each step uses the previous iteration's mean (none at step 0).
+    `micro` micro-batches per step accumulate into one gradient. An empty
+    `stage2` is synchronous training."""
+    models = []
+    for _ in range(world):
+        m = OddMLP()
+        with torch.no_grad():
+            for n, p in m.named_parameters():
+                p.copy_(init[n])
+        models.append(m)
+    opts = [make_optimizer(optimizer, m.parameters()) for m in models]
+    params = [dict(m.named_parameters()) for m in models]
+    saved = [None] * world  # per rank: stage-2 values and optimizer state before the step
+    previous_mean = None
+
+    def step_with(r, grads):
+        for n, p in params[r].items():
+            p.grad = grads.get(n)
+        opts[r].step()
+
+    def redo(r, mean):
+        values, states = saved[r]
+        with torch.no_grad():
+            for n in stage2:
+                params[r][n].copy_(values[n])
+                opts[r].state[params[r][n]] = states[n]
+        step_with(r, {n: mean[n] for n in stage2})
+
+    for t in range(steps):
+        x, y = OddMLP.batch(t, 4 * world * micro)
+        local = []
+        for r in range(world):
+            models[r].zero_grad()
+            for xs, ys in zip(x.chunk(micro), y.chunk(micro), strict=True):
+                models[r](xs.chunk(world)[r], ys.chunk(world)[r]).backward()
+            local.append({n: p.grad.clone() for n, p in params[r].items()})
+        mean = {n: sum(g[n] for g in local) / world for n in local[0]}
+        for r in range(world):
+            grads = {n: mean[n] for n in mean if n not in stage2}
+            if lgp:
+                if saved[r] is not None:
+                    redo(r, previous_mean)
+                saved[r] = (
+                    {n: params[r][n].detach().clone() for n in stage2},
+                    {n: copy.deepcopy(opts[r].state.get(params[r][n], {})) for n in stage2},
+                )
+                grads.update({n: _owned(local, r, n, strategy, world) for n in stage2})
+            elif previous_mean is not None:
+                grads.update({n: previous_mean[n] for n in stage2})
+            step_with(r, grads)
+        previous_mean = mean
+    for r in range(world):
+        if not stage2:
+            continue
+        if lgp:
+            redo(r, previous_mean)
+        else:
+            step_with(r, {n: previous_mean[n] for n in stage2})
+    return [{n: p.detach().clone() for n, p in params[r].items()} for r in range(world)]
+
+
+def _owned(local, r, name, strategy, world):
+    """The local gradient rank r's copy of parameter `name` steps with."""
+    grad = local[r][name]
+    if strategy == "ddp" or grad.dim() == 0:
+        return grad
+    rows = -(-grad.shape[0] // world)
+    return torch.cat([local[k][name][k * rows : (k + 1) * rows] for k in range(world)])
