@@ -149,7 +149,11 @@ def _demo(tmp_path, name: str, *extra: str) -> str:
     done = subprocess.run(
         command + list(extra), capture_output=True, text=True, timeout=840, cwd=tmp_path
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # torchrun's summary ends stderr; the ranks' own errors come before it.
+    errors = [line for line in done.stderr.splitlines() if "Error" in line or "error" in line]
+    assert done.returncode == 0, "\n".join(
+        [done.stdout[-3000:], *errors[-20:], done.stderr[-2000:]]
+    )
     return done.stdout
 
 
