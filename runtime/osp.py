@@ -87,6 +87,12 @@ class InFlight:
         self.reduction.mean()
 
 
+def _wait_all(in_flight: list[InFlight]) -> None:
+    """Complete reductions whose result is not needed (never leave one behind)."""
+    for f in in_flight:
+        f.wait()
+
+
 def _global_mean(in_flight: list[InFlight]) -> Tensor:
     return sum(f.mean() for f in in_flight)
 
@@ -147,6 +153,8 @@ class OspState:
                 in_flight = self.in_flight.pop(fqn, [])
                 if in_flight and state.parameter(fqn).grad is not None:
                     self.taken[fqn] = _take_snapshot(optimizer, state, fqn, in_flight)
+                else:  # no step for it (a skipped step): nothing to redo
+                    _wait_all(in_flight)
             return
         for fqn in ours:
             _, owed = self.owed.pop(fqn, (None, []))
@@ -154,8 +162,9 @@ class OspState:
             if owed and param.grad is not None:
                 with torch.no_grad():
                     flat.grad.copy_(_global_mean(owed))
-            else:  # nothing global yet (first step): the parameter does not move
+            else:  # nothing global yet (first step), or no step: it does not move
                 param.grad = None
+                _wait_all(owed)
             self.owed[fqn] = (weakref.ref(optimizer), self.in_flight.pop(fqn, []))
 
     def synchronize(self) -> None:
@@ -180,8 +189,7 @@ class OspState:
                 with torch.no_grad():
                     flat.grad.copy_(_corrected(flat.grad, in_flight))
             else:
-                for f in in_flight:
-                    f.wait()
+                _wait_all(in_flight)
         self.in_flight.clear()
 
     def _redo(self, fqns: list[str]) -> None:
