@@ -98,18 +98,69 @@ class GraphBuilder:
     def inline(self, fn, *inputs: fx.Node) -> fx.Node:
         """Insert the aten ops of `fn(*inputs)`, traced on the inputs' fake
         values, instead of one opaque call: the compiler sees them and can fuse
-        them with their neighbours."""
-        from torch._inductor.decomposition import select_decomp_table
-        from torch.fx.experimental.proxy_tensor import make_fx
-
-        # Decomposed as aot_autograd decomposed the rest of the graph for Inductor.
-        with self.fake_mode:
-            traced = make_fx(fn, decomposition_table=select_decomp_table())(
-                *[node_value(n) for n in inputs]
-            )
-        placeholders = traced.graph.find_nodes(op="placeholder")
+        them with their neighbours. A trace is reused for inputs of the same
+        shapes and dtypes (identical layers' buckets), and the copied nodes get
+        fake values of their own."""
+        traced = _traced(fn, [node_value(n) for n in inputs], self.fake_mode)
+        placeholders = traced.find_nodes(op="placeholder")
+        copied = dict(zip(placeholders, inputs, strict=True))
         with self.graph.inserting_before(self.anchor):
-            return self.graph.graph_copy(traced.graph, dict(zip(placeholders, inputs, strict=True)))
+            out = self.graph.graph_copy(traced, copied)
+        for original in traced.nodes:
+            node = copied.get(original)
+            if original.op != "call_function" or node is None:
+                continue
+            fake_args, fake_kwargs = tree_map_only(fx.Node, node_value, (node.args, node.kwargs))
+            with self.fake_mode:
+                node.meta["val"] = node.target(*fake_args, **fake_kwargs)
+        return out
+
+
+# (function, input shapes and dtypes, fake mode) -> its traced graph.
+_TRACES: dict[tuple, fx.Graph] = {}
+
+
+def _traced(fn, fakes: list, fake_mode) -> fx.Graph:
+    """`fn` traced to aten ops on `fakes`, decomposed as aot_autograd
+    decomposed the rest of the graph for Inductor."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    key = _trace_key(fn, fakes, fake_mode)
+    if key is None or key not in _TRACES:
+        with fake_mode:
+            graph = make_fx(fn, decomposition_table=select_decomp_table())(*fakes).graph
+        if key is None:
+            return graph
+        if len(_TRACES) >= 4096:
+            _TRACES.clear()
+        _TRACES[key] = graph
+    return _TRACES[key]
+
+
+def _trace_key(fn, fakes: list, fake_mode) -> tuple | None:
+    """What a trace depends on, or None when it cannot be reused (symbolic
+    sizes, or a function that is not a plain function or partial of one)."""
+    from functools import partial
+
+    if isinstance(fn, partial):
+        target, bound = fn.func, (fn.args, tuple(sorted(fn.keywords.items())))
+    else:
+        target, bound = fn, ()
+    if not callable(target) or getattr(target, "__closure__", None):
+        return None
+    inputs = []
+    for t in fakes:
+        shape, stride = tuple(t.shape), tuple(t.stride())
+        if not all(isinstance(d, int) for d in (*shape, *stride)):
+            return None
+        inputs.append((shape, stride, t.dtype, t.device))
+    try:
+        key = (target, bound, tuple(inputs), id(fake_mode))
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def replace_node(old: fx.Node, new: fx.Node) -> None:

@@ -241,9 +241,11 @@ def test_keep_gathered_is_checked():
         zppc.Config(prefetch=-1)
 
 
-def test_positions_stay_ordered_after_many_moves_into_one_gap():
-    """Positions are midpoints between neighbours; hundreds of moves into one
-    gap exhaust a float, and the order must renumber rather than tie."""
+@pytest.mark.parametrize("pattern, renumbers", [("cursor", False), ("halving", True)])
+def test_positions_stay_ordered_after_many_moves_into_one_gap(pattern, renumbers, monkeypatch):
+    """A cursor placing node after node steps up by a fixed amount and never
+    runs out of room; moves that halve one gap each time (each node before the
+    one moved last) exhaust it, and the order must renumber rather than tie."""
     from torch import fx
     from zppc.passes.overlap import _Order
 
@@ -252,12 +254,22 @@ def test_positions_stay_ordered_after_many_moves_into_one_gap():
     nodes = [graph.call_function(torch.neg, (x,)) for _ in range(300)]
     graph.output(nodes[-1])
     order = _Order(graph)
+    numbered = []
+    monkeypatch.setattr(_Order, "_number", lambda self, g: numbered.append(g) or _renumber(self, g))
     cursor = nodes[0]
-    for node in reversed(nodes[1:]):  # each lands right after the previous one
-        order.move_before(node, cursor.next)
+    for node in reversed(nodes[1:]):
+        if pattern == "cursor":  # each lands right after the previous one
+            order.move_before(node, cursor.next)
+        else:  # each lands right before the previous one
+            order.move_before(node, cursor if cursor is not nodes[0] else nodes[0].next)
         cursor = node
     listed = list(graph.nodes)
     assert all(order[a] < order[b] for a, b in zip(listed, listed[1:], strict=False))
+    assert bool(numbered) == renumbers
+
+
+def _renumber(order, graph) -> None:
+    order.pos = {n: i * order.SPACING for i, n in enumerate(graph.nodes)}
 
 
 @pytest.mark.multiproc
