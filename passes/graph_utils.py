@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import fx
@@ -141,8 +142,6 @@ def _traced(fn, fakes: list, fake_mode) -> fx.Graph:
 def _trace_key(fn, fakes: list, fake_mode) -> tuple | None:
     """What a trace depends on, or None when it cannot be reused (symbolic
     sizes, or a function that is not a plain function or partial of one)."""
-    from functools import partial
-
     if isinstance(fn, partial):
         target, bound = fn.func, (fn.args, tuple(sorted(fn.keywords.items())))
     else:

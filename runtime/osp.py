@@ -144,9 +144,16 @@ class OspState:
     """Stale: the reductions the next step (or `synchronize`) applies, with the
     optimizer that stepped the parameter last."""
 
-    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def stage2_in(self, held: set[int]) -> list[str]:
+        """The stage-2 parameters among `held` (ids of an optimizer's parameters)."""
         state = self.model_state()
-        ours = [fqn for fqn in sorted(self.stage2) if _holds(optimizer, state.parameter(fqn))]
+        if state is None:
+            return []
+        return [fqn for fqn in sorted(self.stage2) if id(state.parameter(fqn)) in held]
+
+    def before_step(self, optimizer: torch.optim.Optimizer, ours: list[str]) -> None:
+        """`ours`: the stage-2 parameters `optimizer` steps."""
+        state = self.model_state()
         if self.lgp:
             self._redo([fqn for fqn in ours if fqn in self.taken])
             for fqn in ours:
@@ -216,10 +223,6 @@ class OspState:
             _step_only(optimizer, state, grads, settings)
 
 
-def _holds(optimizer: torch.optim.Optimizer, param: Tensor) -> bool:
-    return any(p is param for group in optimizer.param_groups for p in group["params"])
-
-
 def _group_of(optimizer: torch.optim.Optimizer, param: Tensor) -> dict:
     return next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
 
@@ -287,24 +290,17 @@ def register(osp: OspState) -> None:
     _REGISTRY[osp.index] = osp
 
 
-def states_of(optimizer: torch.optim.Optimizer) -> list[OspState]:
-    """The OSP states of the models whose stage-2 parameters `optimizer` steps."""
-    out = []
-    for osp in list(_REGISTRY.values()):
-        state = osp.model_state()
-        if state is not None and any(
-            _holds(optimizer, state.parameter(fqn)) for fqn in sorted(osp.stage2)
-        ):
-            out.append(osp)
-    return out
-
-
 def before_optimizer_step(optimizer, args, kwargs) -> None:
-    """Global optimizer step pre-hook (see the module doc)."""
-    if stepping_subset():
+    """Global optimizer step pre-hook (see the module doc): for each model with
+    stage-2 parameters in `optimizer`. Runs before every step of every
+    optimizer, so it reads the optimizer's parameters once."""
+    if stepping_subset() or not _REGISTRY:
         return
-    for osp in states_of(optimizer):
-        osp.before_step(optimizer)
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for osp in list(_REGISTRY.values()):
+        ours = osp.stage2_in(held)
+        if ours:
+            osp.before_step(optimizer, ours)
 
 
 @torch.library.custom_op("zppc::osp_issue", mutates_args=())
@@ -342,11 +338,12 @@ def osp_issue(
         sizes = list(shard_numels)
         mine = send.view(world, -1)[rank].split(sizes)
         locals_ = [piece.to(out_dtype, copy=True) for piece in mine]
-    if mode in ("zero2", "zero3"):
-        kind, total = "reduce_scatter", send.new_empty(sum(sizes))
+    kind = _reduction_kind(mode)
+    if kind == "reduce_scatter":
+        total = send.new_empty(sum(sizes))
         work = dist.reduce_scatter_single(total, send, group=group, async_op=True)
     else:
-        kind, total = "all_reduce", send
+        total = send
         work = dist.all_reduce(total, group=group, async_op=True)
     record(kind, osp.group_name, bytes_per_peer(kind, send, world))
     reduction = Reduction(work, total, mode, osp.group_name)
@@ -370,8 +367,12 @@ def stage2_point(node):
     world = _GROUP_FROM_NAME(group_name).size()
     numel = sum(v.numel() for v in vals) if mode == "ddp" else sum(shard_numels) * world
     sent = torch.empty(numel, dtype=reduce_dtype or vals[0].dtype, device="meta")
-    kind = "reduce_scatter" if mode in ("zero2", "zero3") else "all_reduce"
-    return SchedulePoint(node, None, kind, group_name, sent, None, stage=2)
+    return SchedulePoint(node, None, _reduction_kind(mode), group_name, sent, None, stage=2)
+
+
+def _reduction_kind(mode: str) -> str:
+    """zero2/3 keep only their shard of the mean; ddp and zero1 need it whole."""
+    return "reduce_scatter" if mode in ("zero2", "zero3") else "all_reduce"
 
 
 @osp_issue.register_fake

@@ -33,19 +33,23 @@ def _gap(mine: dict, theirs: dict) -> float:
     return max((mine[n] - theirs[n]).abs().max().item() for n in theirs)
 
 
+def _assert_equals_reference(results, run, world, steps=ow.STEPS):
+    """Every rank's parameters equal the reference's for that rank, and, the
+    stage 2 completed, every rank holds the same bits."""
+    first = results[0][run]
+    expected = ow.reference(first["init"], *run[:4], first["stage2"], world, steps=steps)
+    for rank, r in enumerate(results):
+        assert _gap(r[run]["params"], expected[rank]) < 1e-5, (run, rank)
+    assert len({r[run]["digest"] for r in results}) == 1, run
+
+
 def _check_against_reference(results, runs, world):
     for run in runs:
         first = results[0][run]
         # The first layer's gradients are produced last in backward: stage 2.
         assert first["stage2"] == ["fc1.bias", "fc1.weight"], run
+        _assert_equals_reference(results, run, world)
         strategy, optimizer, lgp, micro, _ = run
-        expected = ow.reference(
-            first["init"], strategy, optimizer, lgp, micro, first["stage2"], world
-        )
-        for rank, r in enumerate(results):
-            assert _gap(r[run]["params"], expected[rank]) < 1e-5, (run, rank)
-        # Completed: every rank holds the same bits.
-        assert len({r[run]["digest"] for r in results}) == 1, run
         # OSP is not synchronous training in disguise.
         synchronous = ow.reference(first["init"], strategy, optimizer, lgp, micro, [], world)
         assert _gap(first["params"], synchronous[0]) > 1e-4, run
@@ -78,11 +82,7 @@ def test_osp_under_inductor(tmp_path):
     runs = [("zero3", "adamw", True, 1, "sync")]
     results = run_ranks(ow.osp_training, 2, runs, "inductor", 4, str(tmp_path), timeout=840)
     for run in runs:
-        first = results[0][run]
-        expected = ow.reference(first["init"], *run[:4], first["stage2"], 2, steps=4)
-        for rank, r in enumerate(results):
-            assert _gap(r[run]["params"], expected[rank]) < 1e-5, (run, rank)
-        assert len({r[run]["digest"] for r in results}) == 1
+        _assert_equals_reference(results, run, 2, steps=4)
 
 
 @pytest.mark.multiproc
@@ -97,11 +97,7 @@ def test_osp_under_inductor_every_strategy(tmp_path):
     ]
     results = run_ranks(ow.osp_training, 4, runs, "inductor", 4, str(tmp_path), timeout=1700)
     for run in runs:
-        first = results[0][run]
-        expected = ow.reference(first["init"], *run[:4], first["stage2"], 4, steps=4)
-        for rank, r in enumerate(results):
-            assert _gap(r[run]["params"], expected[rank]) < 1e-5, (run, rank)
-        assert len({r[run]["digest"] for r in results}) == 1
+        _assert_equals_reference(results, run, 4, steps=4)
 
 
 def _match(nbytes: int, order: int, mode: str = "zero3") -> Stage2Match:

@@ -45,6 +45,8 @@ STAGING, OLD = ".zppc-staging", ".zppc-old"
 def _state_dicts(model: nn.Module, opt: torch.optim.Optimizer | None) -> dict:
     if state_of(model) is None:
         raise ValueError("zppc.save/load need a model passed to zppc.distribute")
+    # OSP's pending stage 2 first: its correction replaces optimizer state entries.
+    synchronize(model)
     sd = {"model": get_model_state_dict(model)}
     if opt is not None:
         sd["optim"] = get_optimizer_state_dict(model, opt)
@@ -60,7 +62,6 @@ def save(
     """Write this rank's pieces of the model (and optimizer) state to `path`;
     `extra`: tensors of the training loop's own (a step counter), the same on
     every rank, saved beside them. OSP's pending stage 2 completes first."""
-    synchronize(model)
     sd = _state_dicts(model, opt)
     if extra:
         sd["extra"] = dict(extra)
@@ -136,7 +137,6 @@ def load(
     whatever the world size it was saved with; the tensors of `extra` are
     filled in place from those `save` was given. OSP's pending stage 2
     completes first (the loaded values then replace what it produced)."""
-    synchronize(model)
     sd = _state_dicts(model, opt)
     if extra:
         sd["extra"] = extra

@@ -170,8 +170,10 @@ def simulate(
     OSP's stage 2 has no wait: the step ends when compute and stage 1 are done
     (and not before the link could carry all of its bytes), and in the steady
     state the previous step's stage 2 still holds the link for as long as it
-    outlived that end (the replay runs twice to find it)."""
-    spill = _replay(graphs, links, flops_per_second, flop_scale, 0.0)[1]
+    outlived that end (a second replay starts with it)."""
+    estimate, spill = _replay(graphs, links, flops_per_second, flop_scale, 0.0)
+    if spill == 0.0:  # always without stage 2: every collective is waited
+        return estimate
     return _replay(graphs, links, flops_per_second, flop_scale, spill)[0]
 
 

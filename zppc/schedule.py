@@ -9,9 +9,9 @@ import torch
 from torch import fx
 
 from zppc.passes.zero import UNQUANTIZED_BYTES, find_collectives
-from zppc.runtime import osp  # noqa: F401  (registers zppc::osp_issue)
 from zppc.runtime.collectives import bytes_per_peer
 from zppc.runtime.ledger import node_link_bytes, received
+from zppc.runtime.osp import stage2_point  # also registers zppc::osp_issue
 from zppc.runtime.topology import group_ranks
 
 OSP_ISSUE = torch.ops.zppc.osp_issue.default
@@ -56,8 +56,6 @@ class SchedulePoint:
 
 def schedule_points(graph: fx.Graph) -> list[SchedulePoint]:
     """Every collective of a final graph, in program order of its issue."""
-    from zppc.runtime.osp import stage2_point
-
     points = [
         SchedulePoint(
             m.issue,
