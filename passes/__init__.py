@@ -18,7 +18,17 @@ from torch import fx
 
 # Every pass zppc knows, in pipeline order. Config.disable_passes is checked
 # against this tuple, so it must not import anything heavy.
-PASS_NAMES = ("dedupe_unshard", "osp", "zero", "qwz", "bucket", "qgz", "sync_buffers", "overlap")
+PASS_NAMES = (
+    "dedupe_unshard",
+    "rtp",
+    "osp",
+    "zero",
+    "qwz",
+    "bucket",
+    "qgz",
+    "sync_buffers",
+    "overlap",
+)
 
 log = logging.getLogger("zppc.passes")
 
@@ -74,12 +84,15 @@ def build_passes(config) -> list[GraphPass]:
     from zppc.passes.overlap import overlap_pass
     from zppc.passes.qgz import qgz_pass
     from zppc.passes.qwz import qwz_pass
+    from zppc.passes.rtp import rtp_pass
     from zppc.passes.sync_buffers import sync_buffers_pass
     from zppc.passes.zero import zero_pass
 
     passes = [
         GraphPass("dedupe_unshard", dedupe_unshard_pass, ("dynamo",)),
     ]
+    if config.strategy == "rtp":
+        passes.append(GraphPass("rtp", rtp_pass, ("dynamo",)))
     if config.osp is not None:
         passes.append(GraphPass("osp", osp_pass, ("backward",)))
     passes.append(GraphPass("zero", zero_pass, ("forward", "backward")))

@@ -55,7 +55,7 @@ def _regathers(node: fx.Node) -> bool:
     if node.op != "call_function":
         return False
     if node.target == UNSHARD:
-        return node.args[3] == "zero3"
+        return node.args[3] in ("zero3", "rtp")  # rtp: a use the ring does not cover
     return node.target in VIEW_OPS and _regathers(node.args[0])
 
 

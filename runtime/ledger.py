@@ -137,3 +137,19 @@ def record(kind: str, group_name: str, bytes_per_peer: int) -> None:
         _STATS.inter_node_bytes += inter
         _STATS.by_kind[kind] = _STATS.by_kind.get(kind, 0) + intra + inter
         _STATS.calls[kind] = _STATS.calls.get(kind, 0) + 1
+
+
+def record_from_peer(kind: str, group_name: str, peer: int, nbytes: int) -> None:
+    """Count `nbytes` this rank receives from the single global rank `peer` of
+    the group (point-to-point: RTP's ring), intra or inter node as it lies."""
+    import torch.distributed as dist
+
+    node_size = node_size_of(group_name) or dist.get_world_size()
+    same_node = peer // node_size == dist.get_rank() // node_size
+    with _LOCK:
+        if same_node:
+            _STATS.intra_node_bytes += nbytes
+        else:
+            _STATS.inter_node_bytes += nbytes
+        _STATS.by_kind[kind] = _STATS.by_kind.get(kind, 0) + nbytes
+        _STATS.calls[kind] = _STATS.calls.get(kind, 0) + 1

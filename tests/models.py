@@ -170,3 +170,33 @@ class BatchNormNet(nn.Module):
 
 
 MODELS.update(padded=PaddedMLP, even=EvenMLP, batchnorm=BatchNormNet)
+
+
+class AttentionNet(nn.Module):
+    """nn.MultiheadAttention between two linears: its packed input projection is
+    read through `F.multi_head_attention_forward`, its output projection is an
+    nn.Linear (RTP rotates the latter and replicates the former)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(7, 12)
+        # No biases: the key bias has an exactly zero gradient (softmax ignores
+        # it), which AdamW turns into updates of pure rounding noise.
+        self.attn = nn.MultiheadAttention(12, 3, batch_first=True, bias=False)
+        self.out = nn.Linear(12, 5)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.inp(x))
+        h, _ = self.attn(h, h, h, need_weights=False)
+        return F.mse_loss(self.out(h), y)
+
+    @staticmethod
+    def batch(step: int, n: int = 8):
+        """Targets: the sequence mean of a fixed teacher map, which attention can
+        pool (learnable in a few steps)."""
+        teacher = torch.randn(7, 5, generator=torch.Generator().manual_seed(99))
+        x = torch.randn(n, 6, 7, generator=torch.Generator().manual_seed(step))
+        return x, torch.tanh(0.5 * x @ teacher).mean(dim=1, keepdim=True).expand(n, 6, 5)
+
+
+MODELS["attention"] = AttentionNet

@@ -101,12 +101,33 @@ def test_schedule_qgz_shows_both_hops(capsys):
     assert not [r for r in rows if r["kind"] == "reduce_scatter"]
 
 
+def test_schedule_rtp_plans_the_ring(capsys):
+    """Each rotated use is one ring op receiving from the next rank: rank 3 of
+    4 per node receives across nodes, rank 0 inside its node; the embedding's
+    forward brings the 15 other shards of ceil(vocab / 16) rows."""
+    from zppc.models import PRESETS
+
+    cfg = PRESETS["gpt-tiny"]
+    args = ["schedule", "gpt-tiny", "--world-size", "16", "--node-size", "4", "--format", "json"]
+    rows = {}
+    for rank in (0, 3):
+        assert main([*args, "--strategy", "rtp", "--rank", str(rank)]) == 0
+        rows[rank] = json.loads(capsys.readouterr().out)["collectives"]
+    ring = [r for r in rows[0] if r["ring"]]
+    assert ring and all(r["kind"] == "send_recv" for r in ring)
+    assert not [r for r in rows[0] if r["kind"] in ("all_gather", "reduce_scatter")]
+    assert all(r["inter_node_bytes"] == 0 and r["node_link_bytes"] > 0 for r in ring)
+    assert all(r["intra_node_bytes"] == 0 for r in rows[3] if r["ring"])
+    wte_shard = -(-cfg.vocab_size // 16) * cfg.n_embd * 4
+    assert ring[0]["bytes_per_peer"] == 15 * wte_shard
+
+
 @pytest.mark.parametrize(
     "flags, words",
     [
         (["--hpz", "--node-size", "3"], "16 % 3"),
         (["--qgz", "int4", "--node-size", "3"], "16 % 3"),
-        (["--strategy", "rtp"], "not implemented"),
+        (["--strategy", "rtp", "--qwz", "int8"], "not implemented"),
         (["--osp", "1.5"], "osp"),
     ],
 )

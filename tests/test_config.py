@@ -60,7 +60,12 @@ def test_bad_values_name_the_field(kwargs, words):
 
 
 def test_unbuilt_features_refuse_instead_of_ignoring():
-    for kwargs in (dict(strategy="rtp"), dict(osp=0.3, osp_split="magnitude")):
+    unbuilt = (
+        dict(strategy="rtp", qwz="int8"),
+        dict(strategy="rtp", osp=0.5),
+        dict(osp=0.3, osp_split="magnitude"),
+    )
+    for kwargs in unbuilt:
         with pytest.raises(NotImplementedError, match="not implemented yet"):
             zppc.Config(**kwargs)
 

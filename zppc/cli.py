@@ -102,7 +102,15 @@ def _plan(args: argparse.Namespace) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import zppc
-    from zppc.cost import Links, flops_per_second, graph_flops, parse_rate, parse_time, simulate
+    from zppc.cost import (
+        Links,
+        collective_seconds,
+        flops_per_second,
+        graph_flops,
+        parse_rate,
+        parse_time,
+        simulate,
+    )
     from zppc.schedule import graph_schedule
 
     if args.node_size > args.world_size:
@@ -167,7 +175,7 @@ def _plan(args: argparse.Namespace) -> dict:
         dist.destroy_process_group()
 
     rows = [
-        {**c.__dict__, "predicted_seconds": links.seconds(c.intra_node_bytes, c.inter_node_bytes)}
+        {**c.__dict__, "predicted_seconds": collective_seconds(links, c)}
         for _, _, entries in graphs
         for c in entries
     ]

@@ -31,11 +31,6 @@ DEFAULT_BLOCK = {"int8": 2048, "int4": 128}
 # of 128 give 17.0 dB, of 64 19.2 dB (against the exact reduce-scatter).
 QGZ_DEFAULT_BLOCK = 64
 
-# Features that are part of the contract but not built yet. Asking for one is an
-# error, never a silent no-op.
-NOT_YET_BUILT = {
-    "rtp": "RTP rotated weight shards",
-}
 OSP_SPLITS = ("last", "magnitude")
 
 
@@ -249,6 +244,14 @@ class Config:
             )
         object.__setattr__(self, "disable_passes", tuple(self.disable_passes))
 
+        if self.strategy == "rtp" and self.qwz is not None:
+            raise NotImplementedError(
+                "zppc: strategy='rtp' with qwz (quantized ring hops) is not implemented yet"
+            )
+        if self.strategy == "rtp" and self.osp is not None:
+            raise NotImplementedError(
+                "zppc: strategy='rtp' with osp (a two-stage ring reduction) is not implemented yet"
+            )
         sharded = ("zero1", "zero2", "zero3")
         if self.qwz is not None and self.strategy not in sharded:
             raise ValueError(
@@ -267,17 +270,8 @@ class Config:
             raise NotImplementedError(
                 "zppc: osp with qgz (a quantized stage-2 reduction) is not implemented yet"
             )
-        if self.strategy == "rtp" and (self.qwz or self.hpz or self.qgz):
-            raise ValueError("strategy='rtp' does not combine with qwz, hpz or qgz")
-
-        for name, what in NOT_YET_BUILT.items():
-            asked = (
-                self.strategy == "rtp"
-                if name == "rtp"
-                else getattr(self, name) not in (None, False)
-            )
-            if asked:
-                raise NotImplementedError(f"zppc: {name} ({what}) is not implemented yet")
+        if self.strategy == "rtp" and (self.hpz or self.qgz):
+            raise ValueError("strategy='rtp' does not combine with hpz or qgz")
 
     def replace(self, **overrides: Any) -> Config:
         """A copy with some fields changed (checked again)."""

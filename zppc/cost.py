@@ -204,7 +204,7 @@ def _replay(graphs, links, flops_per_second, flop_scale, carried: float):
             timeline.extend(_compute_span(name, span_start, compute, span_flops))
             if node in issue_of:
                 point, entry = issue_of[node]
-                cost = links.seconds(entry.intra_node_bytes, entry.inter_node_bytes)
+                cost = collective_seconds(links, entry)
                 start = max(compute, comm_free)
                 comm_free = start + cost
                 if point.wait is not None:
@@ -212,6 +212,12 @@ def _replay(graphs, links, flops_per_second, flop_scale, carried: float):
                     stage1_done = max(stage1_done, comm_free)
                 busy_comm += cost
                 timeline.append(_communication_span(name, entry, start, cost))
+                if point.wait is node:  # an RTP ring op: its transfers overlap its compute
+                    seconds = node_flops(node) * flop_scale / flops_per_second
+                    busy_compute += seconds
+                    timeline.append(Span("compute", str(node.target), name, start, seconds))
+                    compute = max(start + seconds, comm_free)
+                    stage1_done = max(stage1_done, comm_free)
             else:
                 compute = max(compute, done_at[node])
             span_start, span_flops = compute, 0
@@ -220,6 +226,17 @@ def _replay(graphs, links, flops_per_second, flop_scale, carried: float):
     end = max(compute, stage1_done, busy_comm - carried)
     estimate = StepEstimate(busy_compute, busy_comm - carried, end, tuple(timeline))
     return estimate, max(0.0, comm_free - end)
+
+
+def collective_seconds(links: Links, entry) -> float:
+    """A scheduled collective's time on the links. An RTP ring moves in
+    lockstep, so each of its steps waits for the slowest hop: across nodes if
+    any hop is (then its node's link carries bytes)."""
+    if not entry.ring:
+        return links.seconds(entry.intra_node_bytes, entry.inter_node_bytes)
+    if entry.node_link_bytes:
+        return links.seconds(0, entry.bytes_per_peer)
+    return links.seconds(entry.bytes_per_peer, 0)
 
 
 def _compute_span(graph: str, start: float, end: float, flops: float) -> list[Span]:

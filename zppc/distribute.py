@@ -40,6 +40,7 @@ from torch.optim.optimizer import (
 from torch.utils._pytree import tree_map_only
 
 import zppc.ir  # noqa: F401  (registers zppc::unshard / zppc::reduce_grad)
+import zppc.runtime.rtp  # noqa: F401  (registers the RTP ring ops)
 from zppc.config import Config
 from zppc.runtime.collectives import all_gather_ints, broadcast_from_first
 from zppc.runtime.grad_sync import GradSync, gathered, new_grad_sync
@@ -279,6 +280,10 @@ def distribute(model: nn.Module, config: Config | None = None) -> nn.Module:
                 )
                 state.owners[fqn] = []
             state.owners[by_param[id(param)]].append((module, name))
+    if config.strategy == "rtp":
+        for fqn, spec in state.specs.items():
+            mode = "rtp" if rotatable(spec, state.owners[fqn]) else "ddp"
+            state.specs[fqn] = dataclasses.replace(spec, mode=mode)
 
     # Module by module, so that a model built on the meta device never exists in
     # full on any rank: materialize, take rank 0's values, keep this rank's shard.
@@ -309,6 +314,21 @@ def distribute(model: nn.Module, config: Config | None = None) -> nn.Module:
     _guard_optimizers()
     model._zppc_state = state
     return model
+
+
+# Modules whose `weight` RTP rotates: the `rtp` pass rewrites their functional
+# forms (`F.linear`, `F.embedding`) into ring loops. nn.MultiheadAttention's
+# output projection is an nn.Linear; its packed input projection is not.
+ROTATED_MODULES = (nn.Linear, nn.Embedding)
+
+
+def rotatable(spec: ShardSpec, owners: list[tuple[nn.Module, str]]) -> bool:
+    """Whether RTP rotates this parameter: a 2-D weight that every module
+    holding it uses as the weight of a linear or an embedding (a GPT's tied
+    embedding and output head). Anything else is replicated."""
+    return len(spec.shape) == 2 and all(
+        isinstance(module, ROTATED_MODULES) and name == "weight" for module, name in owners
+    )
 
 
 # Optimizers that compute statistics over a whole tensor with in-place ops that

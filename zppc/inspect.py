@@ -10,7 +10,7 @@ import dataclasses
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from zppc.distribute import state_of
@@ -25,6 +25,14 @@ class Inspection:
     """What zppc compiled for one model."""
 
     compiles: list[CompileRecord]
+    modes: dict[str, str] = field(default_factory=dict)
+    """How each parameter is held, by name (`ShardSpec.mode`): "ddp"
+    replicated, "zero1"/"zero2"/"zero3" sharded, "rtp" rotated around the ring."""
+
+    @property
+    def rotated(self) -> list[str]:
+        """The parameters RTP rotates (every other one of an rtp model is replicated)."""
+        return [fqn for fqn, mode in self.modes.items() if mode == "rtp"]
 
     def graphs(self, kind: str = "forward", index: int = 0) -> dict[str, str]:
         """Code of the `kind` graph of compile `index` after each pass, by pass name."""
@@ -57,7 +65,10 @@ class Inspection:
     def to_json(self) -> dict:
         """Every compile's config, passes (op changes, seconds), the weights kept
         gathered, and the schedule, as plain data."""
-        return {"compiles": [_record_json(record) for record in self.compiles]}
+        return {
+            "modes": dict(self.modes),
+            "compiles": [_record_json(record) for record in self.compiles],
+        }
 
     def to_chrome_trace(self, path, links=None, flops_per_second: float | None = None) -> None:
         """Write the replayed step (see `estimate`) as a Chrome trace; Perfetto
@@ -84,6 +95,10 @@ class Inspection:
                     f"weights, {kept / 1e6:.2f} MB (keep_gathered_bytes="
                     f"{record.config.keep_gathered_bytes})"
                 )
+        if self.rotated:
+            replicated = [fqn for fqn, mode in self.modes.items() if mode == "ddp"]
+            lines.append(f"== rtp: rotated {', '.join(self.rotated)}")
+            lines.append(f"        replicated {', '.join(replicated) or '-'}")
         lines.append("== communication schedule (bytes received by this rank)")
         lines.append(
             f"  {'graph':8s} {'#':>3s} {'kind':15s} {'group':>5s} {'intra':>12s} {'inter':>12s}"
@@ -100,7 +115,9 @@ class Inspection:
 def inspect(step) -> Inspection:
     """Everything zppc compiled for `step` (a `torch.compile`d model, or the model)."""
     model = getattr(step, "_orig_mod", step)
-    return Inspection(records_for(state_of(model)))
+    state = state_of(model)
+    modes = {fqn: spec.mode for fqn, spec in state.specs.items()} if state is not None else {}
+    return Inspection(records_for(state), modes)
 
 
 def _jsonable(value):

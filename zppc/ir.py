@@ -17,7 +17,7 @@ from torch import Tensor
 from zppc.runtime import collectives
 from zppc.runtime.topology import group_size
 
-MODES = ("ddp", "zero1", "zero2", "zero3")
+MODES = ("ddp", "zero1", "zero2", "zero3", "rtp")
 
 
 @torch.library.custom_op("zppc::unshard", mutates_args=())

@@ -12,6 +12,7 @@ from zppc.passes.zero import UNQUANTIZED_BYTES, find_collectives
 from zppc.runtime.collectives import bytes_per_peer
 from zppc.runtime.ledger import node_link_bytes, received
 from zppc.runtime.osp import stage2_point  # also registers zppc::osp_issue
+from zppc.runtime.rtp import ring_transfer
 from zppc.runtime.topology import group_ranks
 
 OSP_ISSUE = torch.ops.zppc.osp_issue.default
@@ -37,6 +38,8 @@ class ScheduledCollective:
     stage: int = 1
     """2: an OSP stage-2 reduction, issued here and left in flight past the end
     of the graph (it completes while the next iteration computes)."""
+    ring: bool = False
+    """An RTP ring op: `bytes_per_peer` all come from the next rank of the ring."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,10 @@ class SchedulePoint:
     """The input on this rank (its size and dtype are what count)."""
     unquantized_bytes_per_peer: int | None
     stage: int = 1
+    ring_bytes: int | None = None
+    """An RTP ring op (kind "send_recv", issued and completed by the op itself,
+    its transfers overlapping its own compute): the bytes this rank receives
+    from its ring neighbour over the whole op."""
 
 
 def schedule_points(graph: fx.Graph) -> list[SchedulePoint]:
@@ -70,6 +77,20 @@ def schedule_points(graph: fx.Graph) -> list[SchedulePoint]:
     points += [
         stage2_point(node) for node in graph.find_nodes(op="call_function", target=OSP_ISSUE)
     ]
+    for node in graph.nodes:
+        ring = ring_transfer(node)
+        if ring is not None and ring.received_bytes:
+            points.append(
+                SchedulePoint(
+                    node,
+                    node,
+                    "send_recv",
+                    ring.group_name,
+                    ring.shard.meta["val"],
+                    None,
+                    ring_bytes=ring.received_bytes,
+                )
+            )
     order = {node: i for i, node in enumerate(graph.nodes)}
     return sorted(points, key=lambda p: order[p.issue])
 
@@ -104,8 +125,13 @@ def graph_schedule(gm: fx.GraphModule, graph: str, rank: int) -> list[ScheduledC
     for point in schedule_points(gm.graph):
         kind, group_name = point.kind, point.group_name
         ranks = group_ranks(group_name)
-        per_peer = bytes_per_peer(kind, point.sent, len(ranks))
-        intra, inter = received(kind, group_name, rank, per_peer)
+        if point.ring_bytes is not None:
+            per_peer = point.ring_bytes
+            intra, inter, link = ring_received(group_name, rank, per_peer)
+        else:
+            per_peer = bytes_per_peer(kind, point.sent, len(ranks))
+            intra, inter = received(kind, group_name, rank, per_peer)
+            link = node_link_bytes(kind, group_name, rank, per_peer)
         unquantized = point.unquantized_bytes_per_peer
         result.append(
             ScheduledCollective(
@@ -118,11 +144,33 @@ def graph_schedule(gm: fx.GraphModule, graph: str, rank: int) -> list[ScheduledC
                 intra_node_bytes=intra,
                 inter_node_bytes=inter,
                 unquantized_bytes_per_peer=per_peer if unquantized is None else unquantized,
-                node_link_bytes=node_link_bytes(kind, group_name, rank, per_peer),
+                node_link_bytes=link,
                 stage=point.stage,
+                ring=point.ring_bytes is not None,
             )
         )
     return result
+
+
+def ring_received(group_name: str, rank: int, nbytes: int) -> tuple[int, int, int]:
+    """(intra-node, inter-node, node-link) bytes of an RTP ring op in which
+    every rank of the group receives `nbytes` from the next one: what crosses
+    a node boundary enters the node over its link (with ranks numbered by
+    node, once per node: its last rank receives from the next node's first)."""
+    import torch.distributed as dist
+
+    from zppc.runtime.topology import node_size_of
+
+    ranks = group_ranks(group_name)
+    node_size = node_size_of(group_name) or dist.get_world_size()
+
+    def crosses(r: int) -> bool:
+        return ranks[(ranks.index(r) + 1) % len(ranks)] // node_size != r // node_size
+
+    entering = sum(crosses(r) for r in ranks if r // node_size == rank // node_size)
+    if crosses(rank):
+        return 0, nbytes, entering * nbytes
+    return nbytes, 0, entering * nbytes
 
 
 # Compile records of undistributed models (ddp fallback) live here; those of a

@@ -1,0 +1,109 @@
+"""RTP (`Config(strategy="rtp")`): rotated weight shards on a ring.
+
+Parity: compiled RTP training equals one process on the whole batch (the
+tolerances of test_parity: float32 summation order only). The plan: which
+parameters rotate, that no gather or reduce-scatter of a rotated weight is
+left, the ring's bytes per rank and per link (exact, derived from the shapes
+and the hop counts), and that no full weight is saved for backward.
+"""
+
+import math
+
+import pytest
+from rtp_workers import rtp_step
+from spawn import run_ranks
+from test_parity import check, run_matrix
+
+pytestmark = pytest.mark.multiproc
+
+CASES = [(m, o) for m in ("mlp", "gpt", "frozen", "attention") for o in ("sgd", "adamw")]
+
+
+def check_matrix(per_rank, cases):
+    for case in cases:
+        results = [r[case] for r in per_rank]
+        for result in results:
+            assert result["graphs"] >= 1, "nothing was compiled"
+            assert result["comm"]["by_kind"].get("send_recv", 0) > 0, "the ring never ran"
+            check(result)
+        assert all(r["gaps"] == results[0]["gaps"] for r in results), "ranks disagree"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [2, 4])
+def test_rtp_trains_like_one_process(world):
+    per_rank = run_ranks(run_matrix, world, "rtp", 2, "eager", CASES, timeout=540)
+    check_matrix(per_rank, CASES)
+
+
+@pytest.mark.slow
+@pytest.mark.inductor
+@pytest.mark.timeout(1500)
+def test_rtp_trains_like_one_process_under_inductor():
+    cases = [("mlp", "adamw"), ("gpt", "sgd"), ("attention", "adamw")]
+    per_rank = run_ranks(run_matrix, 4, "rtp", 2, "inductor", cases, timeout=1440)
+    check_matrix(per_rank, cases)
+
+
+CHAIN = [(30, 10), (21, 30), (7, 21)]  # tests/models.py Chain: bias-free linears (out, in)
+
+
+def expected_ring_bytes(world: int) -> tuple[int, int]:
+    """(bytes, transfers) each rank receives in one Chain step: per layer of R
+    rows per rank, a float32 shard of R x in; the forward applies the N-1
+    shards of the others, the backward re-rotates them (N-1 hops) unless the
+    input needs no gradient (the first layer), and reduces the weight
+    gradient with N partial-sum hops."""
+    total = calls = 0
+    for layer, (out, inp) in enumerate(CHAIN):
+        shard = math.ceil(out / world) * inp * 4
+        backward_weight_hops = 0 if layer == 0 else world - 1
+        hops = (world - 1) + backward_weight_hops + world
+        total += hops * shard
+        calls += hops
+    return total, calls
+
+
+@pytest.mark.timeout(300)
+def test_rtp_plan_ring_bytes_and_saved_tensors():
+    world = 4
+    per_rank = run_ranks(rtp_step, world, timeout=240)
+    total, calls = expected_ring_bytes(world)
+    for rank, r in enumerate(per_rank):
+        assert r["modes"] == {"l1.weight": "rtp", "l2.weight": "rtp", "l3.weight": "rtp"}
+        assert r["rotated"] == ["l1.weight", "l2.weight", "l3.weight"]
+        assert r["forward"].count("zppc.rtp_linear.default") == 3
+        assert r["backward"].count("zppc.rtp_linear_backward.default") == 3
+        gathers = [op for op in r["forward"] + r["backward"] if "all_gather" in op]
+        assert not gathers and not [op for op in r["backward"] if "reduce_scatter" in op]
+        assert r["stats"]["by_kind"] == {"send_recv": total}
+        assert r["stats"]["calls"]["send_recv"] == calls
+        # Ranks 0 and 2 receive from their node's other rank, 1 and 3 across nodes.
+        crosses_node = rank % 2 == 1
+        assert r["stats"]["inter_node_bytes"] == (total if crosses_node else 0)
+        assert r["stats"]["intra_node_bytes"] == (0 if crosses_node else total)
+        # The compiled plan states the same bytes as the run.
+        assert r["planned"] == total
+        assert not set(r["saved"]) & set(CHAIN), f"a full weight was saved: {r['saved']}"
+
+
+@pytest.mark.timeout(300)
+def test_rtp_replicates_what_it_cannot_rotate():
+    """nn.MultiheadAttention's packed input projection and every bias are
+    replicated (all-reduced gradients); its output projection rotates."""
+    r = run_ranks(rtp_step, 2, "attention", timeout=240)[0]
+    assert r["modes"]["attn.in_proj_weight"] == "ddp"
+    assert r["modes"]["inp.bias"] == r["modes"]["out.bias"] == "ddp"
+    assert set(r["rotated"]) == {"inp.weight", "attn.out_proj.weight", "out.weight"}
+    assert r["stats"]["by_kind"]["all_reduce"] > 0
+
+
+@pytest.mark.timeout(900)
+def test_rtp_hugging_face_llama_trains_like_one_process():
+    pytest.importorskip("transformers", reason="needs `pip install -e .[hf]`")
+    from hf_workers import train_hf
+
+    r = run_ranks(train_hf, 4, "llama", {"strategy": "rtp"}, False, timeout=840)[0]
+    for loss, ref in zip(r["losses"], r["ref_losses"], strict=True):
+        assert loss == pytest.approx(ref, rel=1e-5)
+    assert r["gap"] <= 1e-5
