@@ -15,6 +15,8 @@ re-rotates the weight rather than saving it. A use the pass does not know
 (a slice of the weight, a custom matmul) keeps reading the gathered W: correct,
 at zero3's memory for that weight. When every use is rewritten the gather goes.
 
+The ring runs on the model's own ring group (`DistributedState.ring_group`).
+
 Guarantees: no `unshard` of a rotated weight remains for the rewritten uses;
 the choice depends on the graph alone (the same on every rank).
 Numerics: the same products summed in the same order per output element as
@@ -96,7 +98,8 @@ def find_rotated_uses(graph: fx.Graph) -> list[RotatedUse]:
 def rtp_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     graph = gm.graph
     for use in find_rotated_uses(graph):
-        shard, shape, group_name, _mode, param_dtype, reduce_dtype = use.unshard.args
+        shard, shape, _world, _mode, param_dtype, reduce_dtype = use.unshard.args
+        group_name = ctx.state.ring_group
         with graph.inserting_before(use.node):
             if use.kind == "linear":
                 ring = graph.call_function(

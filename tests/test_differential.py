@@ -98,6 +98,8 @@ STRATEGIES = {
     # Some weights kept gathered from forward to backward, the rest re-gathered
     # two buckets ahead (the overlap pass reorders; numerics must not move).
     "zero3-keep": dict(strategy="zero3", node_size=2, keep_gathered_bytes=40_000, prefetch=2),
+    # Rotated weights: compiled runs the ring, eager gathers (the reference).
+    "rtp": dict(strategy="rtp", node_size=2),
 }
 
 ALL_MODELS = ("mlp", "padded", "even", "gpt", "frozen", "batchnorm")

@@ -22,11 +22,13 @@ def test_undistributed_model_falls_back_to_ddp():
     "dtype, param_dtype, tol",
     [("bfloat16", None, 3e-2), ("float16", None, 5e-3), ("float32", "bfloat16", 3e-2)],
 )
-def test_low_precision_training(dtype, param_dtype, tol):
-    result = run_ranks(dtype_training, 2, dtype, param_dtype)[0]
+@pytest.mark.parametrize("strategy", ["zero3", "rtp"])
+def test_low_precision_training(dtype, param_dtype, tol, strategy):
+    result = run_ranks(dtype_training, 2, dtype, param_dtype, strategy)[0]
     compiled, eager, reference = result["compiled"], result["eager"], result["reference"]
     assert compiled["dtypes"] == [f"torch.{dtype}"], "shards must keep the model's dtype"
-    # The compiled graph runs the eager IR's arithmetic op for op.
+    # The compiled graph runs the eager IR's arithmetic op for op (rtp: the same
+    # products, a shard's block of output columns at a time).
     for a, b in zip(compiled["losses"], eager["losses"], strict=True):
         assert abs(a - b) <= tol * abs(b) / 4, (compiled["losses"], eager["losses"])
     # And low precision tracks the float32 single-process run.

@@ -225,8 +225,8 @@ def undistributed_ddp_fallback(rank, world):
     return {"gaps": gaps, "weights": weights, "records": len(zppc.inspect(step).compiles)}
 
 
-def dtype_training(rank, world, dtype_name, param_dtype_name, steps=5):
-    """Losses and final weights of compiled and eager zero3 training of a model
+def dtype_training(rank, world, dtype_name, param_dtype_name, strategy="zero3", steps=5):
+    """Losses and final weights of compiled and eager training of a model
     stored in `dtype`, and of a float32 single-process reference."""
     dtype = getattr(torch, dtype_name)
     param_dtype = getattr(torch, param_dtype_name) if param_dtype_name else None
@@ -237,7 +237,8 @@ def dtype_training(rank, world, dtype_name, param_dtype_name, steps=5):
         model = MODELS["gpt"]().to(torch.float32 if name == "reference" else dtype)
         run = model
         if name != "reference":
-            zppc.distribute(model, zppc.Config(lowering="eager", param_dtype=param_dtype))
+            config = zppc.Config(strategy=strategy, lowering="eager", param_dtype=param_dtype)
+            zppc.distribute(model, config)
             if name == "compiled":
                 run = torch.compile(model, backend="zppc")
         opt = torch.optim.SGD(model.parameters(), lr=0.5)

@@ -174,17 +174,27 @@ def _compile_distributed(gm, example_inputs, config: Config, state: DistributedS
     # aot_autograd marks saved tensors as "donated" (the backward may reuse their
     # storage) from the partitioned graph, before zppc's passes lower the IR.
     # There a ddp weight is `unshard`'s fresh output; after the `zero` pass it is
-    # an alias of the parameter, whose storage the backward must never reuse.
-    donation_is_sound = config.strategy != "ddp"
+    # an alias of the parameter, whose storage the backward must never reuse
+    # (rtp replicates every parameter it does not rotate, as ddp does).
+    donation_is_sound = config.strategy not in ("ddp", "rtp")
     # Inductor's peak-memory reordering moves every gather down to its use and
     # every wait up to its collective, undoing the `overlap` pass; that pass's
     # order is already memory-bounded (at most prefetch + 1 gathered buckets).
     # The patch wraps each graph's own compile: the backward compiles lazily,
     # at the first backward, outside any context set up here.
     keep_overlap_order = "overlap" not in config.disable_passes
+    # On CPU Inductor writes a `cat`'s inputs straight into the output buffer
+    # (views of it), and lowers a gradient bucket's all-reduce in place on that
+    # buffer; a kernel that still reads one of those inputs after the
+    # all-reduce is issued (BatchNorm's backward reads its weight-gradient sums
+    # again for the input gradient) then reads the sum over ranks, or a value
+    # being written. The overlap pass issues reductions as early as their
+    # inputs exist, which exposed it (rtp, BatchNorm: 1% loss gaps, varying
+    # run to run). A pointwise cat copies the inputs into a buffer of its own.
+    patches = dict(reorder_for_peak_memory=not keep_overlap_order, force_pointwise_cat=True)
 
     def inner_compile(graph, inputs, **kw):
-        with inductor_config.patch(reorder_for_peak_memory=not keep_overlap_order):
+        with inductor_config.patch(**patches):
             return compile_fx_inner(graph, inputs, **kw)
 
     with (

@@ -170,6 +170,11 @@ class DistributedState:
     """Weak reference to the distributed model (its buffers are found from it)."""
     osp: OspState | None = None
     """OSP's stage-2 bookkeeping (`Config.osp` set)."""
+    ring_group: str | None = None
+    """RTP's ring (strategy "rtp"): a group of its own over the world, so that
+    its point-to-point transfers never share a gloo connection with a
+    collective in flight on the world group (a replicated parameter's
+    gradient all-reduce)."""
     qgz_residuals: dict[str, Tensor] = field(default_factory=dict)
     """qgZ error feedback: this rank's quantization error per compile, bucket and
     hop, added before the next step's quantization (saved by `zppc.save`)."""
@@ -261,6 +266,8 @@ def distribute(model: nn.Module, config: Config | None = None) -> nn.Module:
             model_state=weakref.ref(state),
         )
         register_osp(state.osp)
+    if config.strategy == "rtp":
+        state.ring_group = side_world_group(topology, config.timeout_s)
     by_param: dict[int, str] = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
         for name, param in list(module.named_parameters(recurse=False)):
