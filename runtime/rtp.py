@@ -105,7 +105,7 @@ def _ring_reduce(
         nonlocal pending, total
         mine = partial(j, w).to(acc_dtype)
         ring.wait(pending)  # the running sum of shard j, from the next rank
-        total = mine if total is None else incoming + mine
+        total = mine if total is None else mine.add_(incoming)
         pending = ring.pass_on(total, incoming)
 
     if weight is None:

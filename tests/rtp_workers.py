@@ -46,3 +46,46 @@ def rtp_step(rank, world, model_name="chain", lowering="eager"):
         "saved": saved,
         "rotated": inspection.rotated,
     }
+
+
+def step_memory(rank, world, strategy, width=2048, layers=4):
+    """Peak resident bytes one compiled training step adds on this rank, above
+    what it held before (the OS's high-water mark, reset before the step), for
+    `layers` bias-free square linears of `width`. glibc is told to map every
+    block of 64 KiB or more on its own, so freed buffers leave the resident
+    set at once and the mark follows the live tensors."""
+    import ctypes
+
+    from torch import nn
+
+    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD
+
+    def status(field: str) -> int:
+        with open("/proc/self/status") as f:
+            line = next(line for line in f if line.startswith(field))
+        return int(line.split()[1]) * 1024
+
+    class Wide(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(width, width, bias=False) for _ in range(layers))
+
+        def forward(self, x, y):
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+            return torch.nn.functional.mse_loss(x, y)
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Wide()
+    zppc.distribute(model, zppc.Config(strategy=strategy, node_size=2, lowering="eager"))
+    step = torch.compile(model, backend="zppc")
+    x, y = torch.randn(2, width), torch.randn(2, width)
+    step(x, y).backward()  # compile
+    for p in model.parameters():
+        p.grad = None
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets the peak resident set (VmHWM)
+    before = status("VmRSS:")
+    step(x, y).backward()
+    return {"added": status("VmHWM:") - before, "layer": width * width * 4}
