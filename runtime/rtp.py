@@ -97,6 +97,8 @@ def _ring_reduce(
     the contributions need it: the running sum of shard j travels with it, each
     rank adding its own, and a last hop delivers it to its owner. Returns the
     sum for this rank's own shard."""
+    if ring.size == 1:  # a world of one: nothing travels
+        return partial(ring.rank, weight).to(acc_dtype)
     incoming = torch.empty(shape, dtype=acc_dtype, device=device)
     pending: list = []
     total: Tensor | None = None
@@ -347,14 +349,15 @@ def ring_transfer(node) -> RingTransfer | None:
     val = shard.meta["val"]
     rows = val.numel() // shape[1]
     weight_hop = rows * shape[1] * _element_size(param_dtype or val.dtype)
+    grad_hops = n if n > 1 else 0
     grad_hop = rows * shape[1] * _element_size(reduce_dtype or param_dtype or val.dtype)
     if kind == "forward":
         received = (n - 1) * weight_hop
     elif kind == "embedding_backward":
-        received = n * grad_hop
+        received = grad_hops * grad_hop
     else:
         need_x, need_weight = node.args[7], node.args[8]
-        received = (n - 1) * weight_hop * need_x + n * grad_hop * need_weight
+        received = (n - 1) * weight_hop * need_x + grad_hops * grad_hop * need_weight
     return RingTransfer(group_name, shard, received)
 
 

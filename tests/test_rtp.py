@@ -127,3 +127,11 @@ def test_rtp_step_memory_stays_near_a_shard_of_each_layer():
         assert r["added"] <= grads + 3 * shard + slack, (r["added"], grads, shard)
         assert z["added"] >= grads + layer, z["added"]  # the measure sees a gathered layer
         assert r["added"] < z["added"] - layer
+
+
+@pytest.mark.timeout(300)
+def test_rtp_on_one_rank_trains_like_one_process_and_sends_nothing():
+    (result,) = run_ranks(run_matrix, 1, "rtp", 1, "eager", [("gpt", "adamw")], timeout=240)
+    result = result[("gpt", "adamw")]
+    check(result)
+    assert not result["comm"]["by_kind"].get("send_recv")
