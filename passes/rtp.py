@@ -10,6 +10,13 @@ Rewrites, for each rotated weight W = unshard(shard):
 - `embedding(indices, W, padding_idx)` (no max_norm, scale_grad_by_freq or
   sparse) -> `zppc::rtp_embedding(indices, shard, padding_idx)`.
 
+Why rows for every layer: each rank applies every shard to its own micro-batch,
+so a ring op ends with the layer's whole output for that micro-batch whichever
+way the weight is split; splitting by output rows fills disjoint output
+columns (no partial sums, no reshuffle before the next layer), and it is the
+`Shard(0)` layout the parameter already has. An embedding split by rows
+(vocabulary entries) shares that layout with a tied output head.
+
 Both ops carry their own autograd rule, so aot_autograd derives a backward that
 re-rotates the weight rather than saving it. A use the pass does not know
 (a slice of the weight, a custom matmul) keeps reading the gathered W: correct,
