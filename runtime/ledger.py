@@ -131,25 +131,46 @@ def record(kind: str, group_name: str, bytes_per_peer: int) -> None:
     `bytes_per_peer` (every other rank; for a broadcast, its root)."""
     import torch.distributed as dist
 
-    intra, inter = received(kind, group_name, dist.get_rank(), bytes_per_peer)
+    _count(kind, *received(kind, group_name, dist.get_rank(), bytes_per_peer))
+
+
+def ring_received(group_name: str, rank: int, nbytes: int) -> tuple[int, int, int]:
+    """(intra-node, inter-node, node-link) bytes of an RTP ring step in which
+    every rank of the group receives `nbytes` from the next one: what crosses
+    a node boundary enters the node over its link (with ranks numbered by
+    node, once per node: its last rank receives from the next node's first)."""
+    crosses, entering = _ring_split(world_epoch(), group_name, rank)
+    link = entering * nbytes
+    return (0, nbytes, link) if crosses else (nbytes, 0, link)
+
+
+@cache
+def _ring_split(epoch: int, group_name: str, rank: int) -> tuple[bool, int]:
+    """(whether `rank` receives across a node boundary, how many ranks of its
+    node do)."""
+    import torch.distributed as dist
+
+    ranks = group_ranks(group_name)
+    node_size = node_size_of(group_name) or dist.get_world_size()
+
+    def crosses(r: int) -> bool:
+        return ranks[(ranks.index(r) + 1) % len(ranks)] // node_size != r // node_size
+
+    entering = sum(crosses(r) for r in ranks if r // node_size == rank // node_size)
+    return crosses(rank), entering
+
+
+def record_ring(kind: str, group_name: str, nbytes: int) -> None:
+    """Count `nbytes` this rank receives from the next rank of the group's ring."""
+    import torch.distributed as dist
+
+    intra, inter, _ = ring_received(group_name, dist.get_rank(), nbytes)
+    _count(kind, intra, inter)
+
+
+def _count(kind: str, intra: int, inter: int) -> None:
     with _LOCK:
         _STATS.intra_node_bytes += intra
         _STATS.inter_node_bytes += inter
         _STATS.by_kind[kind] = _STATS.by_kind.get(kind, 0) + intra + inter
-        _STATS.calls[kind] = _STATS.calls.get(kind, 0) + 1
-
-
-def record_from_peer(kind: str, group_name: str, peer: int, nbytes: int) -> None:
-    """Count `nbytes` this rank receives from the single global rank `peer` of
-    the group (point-to-point: RTP's ring), intra or inter node as it lies."""
-    import torch.distributed as dist
-
-    node_size = node_size_of(group_name) or dist.get_world_size()
-    same_node = peer // node_size == dist.get_rank() // node_size
-    with _LOCK:
-        if same_node:
-            _STATS.intra_node_bytes += nbytes
-        else:
-            _STATS.inter_node_bytes += nbytes
-        _STATS.by_kind[kind] = _STATS.by_kind.get(kind, 0) + nbytes
         _STATS.calls[kind] = _STATS.calls.get(kind, 0) + 1

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 from zppc.runtime.failures import naming_failures
-from zppc.runtime.ledger import record_from_peer
+from zppc.runtime.ledger import record_ring
 from zppc.runtime.topology import group_ranks
 
 _GROUP_FROM_NAME = dist.distributed_c10d._resolve_process_group
@@ -58,9 +58,7 @@ class Ring:
         ]
         with naming_failures(f"an RTP ring step over ranks {group_ranks(self.group_name)}"):
             works = dist.batch_isend_irecv(ops)
-        record_from_peer(
-            "send_recv", self.group_name, self.source, recv.numel() * recv.element_size()
-        )
+        record_ring("send_recv", self.group_name, recv.numel() * recv.element_size())
         return works
 
     def wait(self, works: list) -> None:
@@ -322,10 +320,6 @@ def _embedding_backward(ctx, grad: Tensor):
 rtp_embedding.register_autograd(_embedding_backward, setup_context=_embedding_setup)
 
 
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype, device="meta").element_size()
-
-
 @dataclass(frozen=True)
 class RingTransfer:
     """What one ring op of a final graph moves: this rank receives
@@ -344,13 +338,12 @@ def ring_transfer(node) -> RingTransfer | None:
     target = getattr(node, "target", None)
     if target not in _RING_OPS:
         return None
-    kind, (shard, shape, group_name, param_dtype, reduce_dtype) = _RING_OPS[target](node.args)
+    kind, (shard, _shape, group_name, param_dtype, reduce_dtype) = _RING_OPS[target](node.args)
     n = _GROUP_FROM_NAME(group_name).size()
     val = shard.meta["val"]
-    rows = val.numel() // shape[1]
-    weight_hop = rows * shape[1] * _element_size(param_dtype or val.dtype)
+    weight_hop = val.numel() * (param_dtype or val.dtype).itemsize
     grad_hops = n if n > 1 else 0
-    grad_hop = rows * shape[1] * _element_size(reduce_dtype or param_dtype or val.dtype)
+    grad_hop = val.numel() * (reduce_dtype or param_dtype or val.dtype).itemsize
     if kind == "forward":
         received = (n - 1) * weight_hop
     elif kind == "embedding_backward":

@@ -217,7 +217,6 @@ def _replay(graphs, links, flops_per_second, flop_scale, carried: float):
                     busy_compute += seconds
                     timeline.append(Span("compute", str(node.target), name, start, seconds))
                     compute = max(start + seconds, comm_free)
-                    stage1_done = max(stage1_done, comm_free)
             else:
                 compute = max(compute, done_at[node])
             span_start, span_flops = compute, 0

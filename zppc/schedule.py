@@ -10,7 +10,7 @@ from torch import fx
 
 from zppc.passes.zero import UNQUANTIZED_BYTES, find_collectives
 from zppc.runtime.collectives import bytes_per_peer
-from zppc.runtime.ledger import node_link_bytes, received
+from zppc.runtime.ledger import node_link_bytes, received, ring_received
 from zppc.runtime.osp import stage2_point  # also registers zppc::osp_issue
 from zppc.runtime.rtp import ring_transfer
 from zppc.runtime.topology import group_ranks
@@ -150,27 +150,6 @@ def graph_schedule(gm: fx.GraphModule, graph: str, rank: int) -> list[ScheduledC
             )
         )
     return result
-
-
-def ring_received(group_name: str, rank: int, nbytes: int) -> tuple[int, int, int]:
-    """(intra-node, inter-node, node-link) bytes of an RTP ring op in which
-    every rank of the group receives `nbytes` from the next one: what crosses
-    a node boundary enters the node over its link (with ranks numbered by
-    node, once per node: its last rank receives from the next node's first)."""
-    import torch.distributed as dist
-
-    from zppc.runtime.topology import node_size_of
-
-    ranks = group_ranks(group_name)
-    node_size = node_size_of(group_name) or dist.get_world_size()
-
-    def crosses(r: int) -> bool:
-        return ranks[(ranks.index(r) + 1) % len(ranks)] // node_size != r // node_size
-
-    entering = sum(crosses(r) for r in ranks if r // node_size == rank // node_size)
-    if crosses(rank):
-        return 0, nbytes, entering * nbytes
-    return nbytes, 0, entering * nbytes
 
 
 # Compile records of undistributed models (ddp fallback) live here; those of a
