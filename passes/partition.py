@@ -15,6 +15,7 @@ shard over the node instead (see `regather_in_backward`).
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 from torch import fx
@@ -33,6 +34,11 @@ VIEW_OPS = {
     aten.slice.Tensor,
     aten.unsqueeze.default,
     aten.squeeze.dim,
+    # A weight sliced into parts (attention's packed projection when query is
+    # not key): the split, then each part.
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    operator.getitem,
 }
 
 

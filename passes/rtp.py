@@ -8,7 +8,14 @@ parameter is replicated, mode "ddp").
 Rewrites, for each rotated weight W = unshard(shard):
 - `linear(x, W, b)` -> `zppc::rtp_linear(x, shard, b)`;
 - `embedding(indices, W, padding_idx)` (no max_norm, scale_grad_by_freq or
-  sparse) -> `zppc::rtp_embedding(indices, shard, padding_idx)`.
+  sparse) -> `zppc::rtp_embedding(indices, shard, padding_idx)`;
+- `multi_head_attention_forward(..., W, ...)` (dynamo keeps
+  `nn.MultiheadAttention`'s functional as one call) -> `ring_attention`, the
+  same functional with its `linear` calls on rotated weights routed to
+  `zppc::rtp_linear` while aot_autograd traces it: the output projection, the
+  separate query/key/value projections, and the packed input projection when
+  query, key and value are one tensor (self-attention: one `linear` on W; the
+  other paths slice W first, so W keeps its gather there).
 
 Why rows for every layer: each rank applies every shard to its own micro-batch,
 so a ring op ends with the layer's whole output for that micro-batch whichever
@@ -23,6 +30,9 @@ re-rotates the weight rather than saving it. A use the pass does not know
 at zero3's memory for that weight. When every use is rewritten the gather goes.
 
 The ring runs on the model's own ring group (`DistributedState.ring_group`).
+With `Config.qwz` the ring ops quantize their weight hops (the `qwz` pass then
+quantizes the gathers of the uses left unrewritten, so every use of a weight
+sees the same dequantized values).
 
 Guarantees: no `unshard` of a rotated weight remains for the rewritten uses;
 the choice depends on the graph alone (the same on every rank).
@@ -32,6 +42,8 @@ Numerics: the same products summed in the same order per output element as
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +51,7 @@ import torch.nn.functional as F
 import zppc.runtime.rtp  # noqa: F401  (registers the ring ops)
 from torch import fx
 from zppc.passes.dedupe import UNSHARD_TARGETS
+from zppc.passes.qwz import BITS
 
 LINEAR_TARGETS = (torch._C._nn.linear, F.linear)
 EMBEDDING_TARGETS = (F.embedding,)
@@ -102,33 +115,113 @@ def find_rotated_uses(graph: fx.Graph) -> list[RotatedUse]:
     return uses
 
 
+ATTENTION_TARGETS = (F.multi_head_attention_forward,)
+_ATTENTION_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
+
+
+@dataclass(frozen=True)
+class RotatedAttention:
+    """A `multi_head_attention_forward` call whose projections the ring applies."""
+
+    node: fx.Node
+    arguments: dict
+    """Its arguments by name."""
+    weights: dict[str, fx.Node]
+    """Argument name -> the `unshard` of the rotated weight passed there."""
+
+
+def _rotated_unshard(value) -> bool:
+    return (
+        isinstance(value, fx.Node)
+        and value.op == "call_function"
+        and value.target in UNSHARD_TARGETS
+        and value.args[3] == "rtp"
+    )
+
+
+def match_attention(node: fx.Node) -> RotatedAttention | None:
+    """The projections of an attention call that go through one `linear` on
+    the whole weight, where that weight is rotated."""
+    if node.op != "call_function" or node.target not in ATTENTION_TARGETS:
+        return None
+    bound = _ATTENTION_SIGNATURE.bind(*node.args, **node.kwargs)
+    arguments = dict(bound.arguments)
+    names = ["out_proj_weight"]
+    if arguments.get("use_separate_proj_weight", False):
+        names += ["q_proj_weight", "k_proj_weight", "v_proj_weight"]
+    elif arguments["query"] is arguments["key"] is arguments["value"]:
+        names.append("in_proj_weight")
+    weights = {name: arguments[name] for name in names if _rotated_unshard(arguments.get(name))}
+    # A weight passed twice (or also as a bias) is read another way: leave it.
+    others = [v for k, v in arguments.items() if k not in weights]
+    weights = {k: w for k, w in weights.items() if w not in others}
+    return RotatedAttention(node, arguments, weights) if weights else None
+
+
+@contextlib.contextmanager
+def _routed_linear(routes: dict[int, tuple]):
+    """`torch.nn.functional.linear` calls on a stand-in weight (by identity)
+    run the ring op instead; every other call is unchanged."""
+    original = F.linear
+
+    def linear(input, weight, bias=None):
+        route = routes.get(id(weight))
+        if route is None:
+            return original(input, weight, bias)
+        shard, ring_args = route
+        return torch.ops.zppc.rtp_linear.default(input, shard, bias, *ring_args)
+
+    F.linear = linear
+    try:
+        yield
+    finally:
+        F.linear = original
+
+
+def ring_attention(zppc_rings: dict, **arguments):
+    """`F.multi_head_attention_forward(**arguments)` with each weight named in
+    `zppc_rings` (name -> (shard, ring op arguments)) applied by the ring: the
+    functional gets a stand-in of the weight's shape on the meta device, and
+    its `linear` on the stand-in runs `zppc::rtp_linear`. Any other use of a
+    stand-in mixes devices and fails while tracing, never silently."""
+    routes = {}
+    for name, (shard, ring_args) in zppc_rings.items():
+        stand_in = torch.empty(ring_args[0], dtype=ring_args[2] or shard.dtype, device="meta")
+        arguments[name] = stand_in
+        routes[id(stand_in)] = (shard, ring_args)
+    with _routed_linear(routes):
+        return F.multi_head_attention_forward(**arguments)
+
+
+def _ring_args(unshard: fx.Node, ctx, qwz: tuple[int, int]) -> tuple[fx.Node, tuple]:
+    """(the flat shard, the ring op's arguments after x, shard and bias)."""
+    shard, shape, _world, _mode, param_dtype, reduce_dtype = unshard.args
+    return shard, (list(shape), ctx.state.ring_group, param_dtype, reduce_dtype, *qwz)
+
+
 def rtp_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     graph = gm.graph
+    qwz = (BITS[ctx.config.qwz], ctx.config.qwz_block_size) if ctx.config.qwz else (0, 0)
+    rewrites = []
     for use in find_rotated_uses(graph):
-        shard, shape, _world, _mode, param_dtype, reduce_dtype = use.unshard.args
-        group_name = ctx.state.ring_group
-        with graph.inserting_before(use.node):
-            if use.kind == "linear":
-                ring = graph.call_function(
-                    torch.ops.zppc.rtp_linear.default,
-                    (use.data, shard, use.bias, list(shape), group_name, param_dtype, reduce_dtype),
-                )
-            else:
-                ring = graph.call_function(
-                    torch.ops.zppc.rtp_embedding.default,
-                    (
-                        use.data,
-                        shard,
-                        list(shape),
-                        group_name,
-                        param_dtype,
-                        reduce_dtype,
-                        use.padding_idx,
-                    ),
-                )
-        ring.meta.update(use.node.meta)
-        use.node.replace_all_uses_with(ring)
-        graph.erase_node(use.node)
-        if not use.unshard.users:
-            graph.erase_node(use.unshard)
+        shard, (shape, *ring_args) = _ring_args(use.unshard, ctx, qwz)
+        if use.kind == "linear":
+            op, args = torch.ops.zppc.rtp_linear.default, (use.data, shard, use.bias, shape)
+        else:
+            op, args = torch.ops.zppc.rtp_embedding.default, (use.data, shard, shape)
+            ring_args.insert(3, use.padding_idx)  # after the dtypes, before qwz
+        rewrites.append((use.node, op, (*args, *ring_args), {}))
+    for attention in filter(None, map(match_attention, list(graph.nodes))):
+        rings = {name: _ring_args(w, ctx, qwz) for name, w in attention.weights.items()}
+        arguments = {k: v for k, v in attention.arguments.items() if k not in rings}
+        rewrites.append((attention.node, ring_attention, (), {"zppc_rings": rings, **arguments}))
+    for node, op, args, kwargs in rewrites:
+        with graph.inserting_before(node):
+            ring = graph.call_function(op, args, kwargs)
+        ring.meta.update(node.meta)
+        node.replace_all_uses_with(ring)
+        graph.erase_node(node)
+    for node in list(graph.nodes):
+        if _rotated_unshard(node) and not node.users:
+            graph.erase_node(node)
     return gm

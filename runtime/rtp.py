@@ -16,6 +16,12 @@ the one arriving: double buffering, the transfer overlapping the matmul).
   rank adding its own; one last hop brings the sum to the shard's owner, which
   divides by N (gradients are means over ranks, like DDP's).
 
+With qwZ (`Config(qwz="int8"|"int4")`) the weights travel as one quantized
+payload per shard (block scales and values, `zppc.kernels.quant`), quantized
+once by the owner and passed on unchanged; every rank, the owner included,
+applies the dequantized weights, so all ranks use the same ones, and backward
+re-rotates the same payloads. Gradient partial sums travel unquantized.
+
 Every transfer is counted in the ledger as `send_recv` bytes from the peer.
 """
 
@@ -30,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
+from zppc.kernels import quant
 from zppc.runtime.failures import naming_failures
 from zppc.runtime.ledger import record_ring
 from zppc.runtime.topology import group_ranks
@@ -67,14 +74,25 @@ class Ring:
                 work.wait()
 
 
-def _rotate(shard: Tensor, ring: Ring, visit: Callable[[int, Tensor], None]) -> None:
-    """Call `visit(j, shard_j)` for every shard j of the ring, starting with
-    this rank's own and receiving the next while the current one is visited."""
+def _identity(tensor: Tensor) -> Tensor:
+    return tensor
+
+
+def _rotate(
+    shard: Tensor,
+    ring: Ring,
+    visit: Callable[[int, Tensor], None],
+    read: Callable[[Tensor], Tensor] = _identity,
+) -> None:
+    """Call `visit(j, read(shard_j))` for every shard j of the ring, starting
+    with this rank's own and receiving the next while the current one is
+    visited (`read` turns what travels into the weights: a qwZ payload's
+    dequantization)."""
     own = shard.contiguous()
     current, arriving = own, torch.empty_like(own)
     for step in range(ring.size):
         works = ring.pass_on(current, arriving) if step < ring.size - 1 else []
-        visit((ring.rank + step) % ring.size, current)
+        visit((ring.rank + step) % ring.size, read(current))
         ring.wait(works)
         # The shard in hand becomes the next receive buffer, except this rank's
         # own, which is the parameter's storage.
@@ -89,6 +107,7 @@ def _ring_reduce(
     device: torch.device,
     partial: Callable[[int, Tensor | None], Tensor],
     weight: Tensor | None = None,
+    read: Callable[[Tensor], Tensor] = _identity,
 ) -> Tensor:
     """Sum over ranks, for every shard j, of `partial(j, shard_j)` (each rank's
     gradient contribution of `shape`), rotating `weight` as `_rotate` does when
@@ -96,7 +115,7 @@ def _ring_reduce(
     rank adding its own, and a last hop delivers it to its owner. Returns the
     sum for this rank's own shard."""
     if ring.size == 1:  # a world of one: nothing travels
-        return partial(ring.rank, weight).to(acc_dtype)
+        return partial(ring.rank, None if weight is None else read(weight)).to(acc_dtype)
     incoming = torch.empty(shape, dtype=acc_dtype, device=device)
     pending: list = []
     total: Tensor | None = None
@@ -112,7 +131,7 @@ def _ring_reduce(
         for step in range(ring.size):
             visit((ring.rank + step) % ring.size, None)
     else:
-        _rotate(weight, ring, visit)
+        _rotate(weight, ring, visit, read)
     ring.wait(pending)
     return incoming
 
@@ -121,6 +140,26 @@ def _rows(shard: Tensor, shape: list[int], param_dtype: torch.dtype | None) -> T
     """The flat shard as its [R, ...] block of rows, in the compute dtype."""
     rows = shard.view(-1, *shape[1:])
     return rows if param_dtype is None else rows.to(param_dtype)
+
+
+def _travelling(
+    shard: Tensor, shape: list[int], param_dtype: torch.dtype | None, qwz_bits: int, qwz_block: int
+) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
+    """(what travels for this rank's shard, how a rank reads it back as rows):
+    the rows themselves, or with qwZ one quantized payload that every rank
+    dequantizes, the owner too."""
+    rows = _rows(shard, shape, param_dtype)
+    if not qwz_bits:
+        return rows, _identity
+    payload = quant.quantize_pack(rows.reshape(-1), qwz_block, qwz_bits)
+
+    def read(travelled: Tensor) -> Tensor:
+        values = quant.unpack_dequantize(
+            travelled, 1, rows.numel(), qwz_block, qwz_bits, rows.dtype
+        )
+        return values.view(rows.shape)
+
+    return payload, read
 
 
 @torch.library.custom_op("zppc::rtp_linear", mutates_args=())
@@ -132,23 +171,26 @@ def rtp_linear(
     group_name: str,
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
+    qwz_bits: int,
+    qwz_block: int,
 ) -> Tensor:
-    """`F.linear(x, W, bias)` with W of `shape` split by rows over the ring."""
+    """`F.linear(x, W, bias)` with W of `shape` split by rows over the ring
+    (`qwz_bits` 8 or 4: quantized hops in blocks of `qwz_block`; 0: exact)."""
     ring = Ring(group_name)
-    weight = _rows(shard, shape, param_dtype)
-    rows = weight.shape[0]
+    travel, read = _travelling(shard, shape, param_dtype, qwz_bits, qwz_block)
+    rows = shard.numel() // shape[1]
     out = x.new_empty(*x.shape[:-1], rows * ring.size)
 
     def visit(j: int, w: Tensor) -> None:
         torch.matmul(x, w.t(), out=out[..., j * rows : (j + 1) * rows])
 
-    _rotate(weight, ring, visit)
+    _rotate(travel, ring, visit, read)
     out = out[..., : shape[0]]
     return out + bias if bias is not None else out.contiguous()
 
 
 @rtp_linear.register_fake
-def _(x, shard, bias, shape, group_name, param_dtype, reduce_dtype):
+def _(x, shard, bias, shape, group_name, param_dtype, reduce_dtype, qwz_bits, qwz_block):
     return x.new_empty(*x.shape[:-1], shape[0])
 
 
@@ -163,14 +205,16 @@ def rtp_linear_backward(
     reduce_dtype: torch.dtype | None,
     need_x: bool,
     need_weight: bool,
+    qwz_bits: int,
+    qwz_block: int,
 ) -> tuple[Tensor, Tensor]:
     """(grad of x, this rank's flat shard of the weight gradient averaged over
     ranks); what is not needed comes back as zeros without its ring traffic
     (a frozen weight sends no partial sums; a first layer's weight gradient
     needs no weight, so the weights stay put)."""
     ring = Ring(group_name)
-    weight = _rows(shard, shape, param_dtype)
-    rows = weight.shape[0]
+    travel, read = _travelling(shard, shape, param_dtype, qwz_bits, qwz_block)
+    rows = shard.numel() // shape[1]
     padded = torch.nn.functional.pad(grad, (0, rows * ring.size - shape[0]))
     grad_x = torch.zeros_like(x)
     flat_x = x.reshape(-1, shape[1])
@@ -188,24 +232,28 @@ def rtp_linear_backward(
 
     if not need_weight:
         if need_x:
-            _rotate(weight, ring, add_grad_x)
+            _rotate(travel, ring, add_grad_x, read)
         return grad_x, torch.zeros_like(shard)
-    acc_dtype = reduce_dtype or weight.dtype
+    acc_dtype = reduce_dtype or param_dtype or shard.dtype
     total = _ring_reduce(
-        ring, weight.shape, acc_dtype, x.device, partial, weight if need_x else None
+        ring, (rows, shape[1]), acc_dtype, x.device, partial, travel if need_x else None, read
     )
     return grad_x, (total / ring.size).to(shard.dtype).reshape(-1)
 
 
 @rtp_linear_backward.register_fake
-def _(grad, x, shard, shape, group_name, param_dtype, reduce_dtype, need_x, need_weight):
+def _(
+    grad, x, shard, shape, group_name, param_dtype, reduce_dtype, need_x, need_weight, qwz_bits,
+    qwz_block,
+):  # fmt: skip
     return torch.empty_like(x), torch.empty_like(shard)
 
 
 def _linear_setup(ctx, inputs, output) -> None:
-    x, shard, bias, shape, group_name, param_dtype, reduce_dtype = inputs
+    x, shard, bias, shape, group_name, param_dtype, reduce_dtype, qwz_bits, qwz_block = inputs
     ctx.save_for_backward(x, shard)
     ctx.args = (shape, group_name, param_dtype, reduce_dtype)
+    ctx.qwz = (qwz_bits, qwz_block)
     ctx.bias_dtype = None if bias is None else bias.dtype
 
 
@@ -213,7 +261,7 @@ def _linear_backward(ctx, grad: Tensor):
     x, shard = ctx.saved_tensors
     need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
     grad_x, grad_shard = torch.ops.zppc.rtp_linear_backward(
-        grad, x, shard, *ctx.args, need_x, need_weight
+        grad, x, shard, *ctx.args, need_x, need_weight, *ctx.qwz
     )
     grad_bias = None
     if need_bias:
@@ -222,10 +270,7 @@ def _linear_backward(ctx, grad: Tensor):
         grad_x if need_x else None,
         grad_shard if need_weight else None,
         grad_bias,
-        None,
-        None,
-        None,
-        None,
+        *[None] * 6,
     )
 
 
@@ -247,24 +292,26 @@ def rtp_embedding(
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
     padding_idx: int,
+    qwz_bits: int,
+    qwz_block: int,
 ) -> Tensor:
     """`F.embedding(indices, W)` with W of `shape` split by rows (vocabulary
     entries) over the ring."""
     ring = Ring(group_name)
-    weight = _rows(shard, shape, param_dtype)
-    rows = weight.shape[0]
-    out = weight.new_zeros(*indices.shape, shape[1])
+    travel, read = _travelling(shard, shape, param_dtype, qwz_bits, qwz_block)
+    rows = shard.numel() // shape[1]
+    out = shard.new_zeros(*indices.shape, shape[1], dtype=param_dtype or shard.dtype)
 
     def visit(j: int, w: Tensor) -> None:
         mask, local = _in_shard(indices, j, rows)
         out[mask] = w[local[mask]]
 
-    _rotate(weight, ring, visit)
+    _rotate(travel, ring, visit, read)
     return out
 
 
 @rtp_embedding.register_fake
-def _(indices, shard, shape, group_name, param_dtype, reduce_dtype, padding_idx):
+def _(indices, shard, shape, group_name, param_dtype, reduce_dtype, padding_idx, *qwz):
     return shard.new_empty(*indices.shape, shape[1], dtype=param_dtype or shard.dtype)
 
 
@@ -306,7 +353,7 @@ def _(grad, indices, shard, shape, group_name, param_dtype, reduce_dtype, paddin
 
 
 def _embedding_setup(ctx, inputs, output) -> None:
-    indices, shard, shape, group_name, param_dtype, reduce_dtype, padding_idx = inputs
+    indices, shard, shape, group_name, param_dtype, reduce_dtype, padding_idx, *_qwz = inputs
     ctx.save_for_backward(indices, shard)
     ctx.args = (shape, group_name, param_dtype, reduce_dtype, padding_idx)
 
@@ -314,7 +361,7 @@ def _embedding_setup(ctx, inputs, output) -> None:
 def _embedding_backward(ctx, grad: Tensor):
     indices, shard = ctx.saved_tensors
     grad_shard = torch.ops.zppc.rtp_embedding_backward(grad, indices, shard, *ctx.args)
-    return None, grad_shard, None, None, None, None, None
+    return None, grad_shard, *[None] * 7
 
 
 rtp_embedding.register_autograd(_embedding_backward, setup_context=_embedding_setup)
@@ -323,47 +370,69 @@ rtp_embedding.register_autograd(_embedding_backward, setup_context=_embedding_se
 @dataclass(frozen=True)
 class RingTransfer:
     """What one ring op of a final graph moves: this rank receives
-    `received_bytes` from the next rank of the group over the whole op."""
+    `received_bytes` from the next rank of the group over the whole op
+    (`unquantized_bytes` without qwZ)."""
 
     group_name: str
     shard: Any
     """The FX node of the flat shard the op rotates (or reduces onto)."""
     received_bytes: int
+    unquantized_bytes: int
+
+
+@dataclass(frozen=True)
+class _RingArgs:
+    """The arguments of a ring op that size its transfers."""
+
+    kind: str
+    """"forward", "linear_backward" or "embedding_backward"."""
+    shard: Any
+    group_name: str
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+    qwz_bits: int = 0
+    qwz_block: int = 0
+    need_x: bool = True
+    need_weight: bool = True
+
+
+def _ring_args(node) -> _RingArgs | None:
+    a = node.args
+    if node.target is torch.ops.zppc.rtp_linear.default:
+        return _RingArgs("forward", a[1], a[4], a[5], a[6], a[7], a[8])
+    if node.target is torch.ops.zppc.rtp_embedding.default:
+        return _RingArgs("forward", a[1], a[3], a[4], a[5], a[7], a[8])
+    if node.target is torch.ops.zppc.rtp_linear_backward.default:
+        return _RingArgs("linear_backward", a[2], a[4], a[5], a[6], a[9], a[10], a[7], a[8])
+    if node.target is torch.ops.zppc.rtp_embedding_backward.default:
+        return _RingArgs("embedding_backward", a[2], a[4], a[5], a[6], need_x=False)
+    return None
 
 
 def ring_transfer(node) -> RingTransfer | None:
     """The transfer of the ring op `node` (an FX node), None for any other
     node. The hop counts are those the ops above run: N-1 weight hops to apply
     every shard, N partial-sum hops to reduce a gradient onto its owner."""
-    target = getattr(node, "target", None)
-    if target not in _RING_OPS:
+    if getattr(node, "op", None) != "call_function":
         return None
-    kind, (shard, _shape, group_name, param_dtype, reduce_dtype) = _RING_OPS[target](node.args)
-    n = _GROUP_FROM_NAME(group_name).size()
-    val = shard.meta["val"]
-    weight_hop = val.numel() * (param_dtype or val.dtype).itemsize
-    grad_hops = n if n > 1 else 0
-    grad_hop = val.numel() * (reduce_dtype or param_dtype or val.dtype).itemsize
-    if kind == "forward":
-        received = (n - 1) * weight_hop
-    elif kind == "embedding_backward":
-        received = grad_hops * grad_hop
-    else:
-        need_x, need_weight = node.args[7], node.args[8]
-        received = (n - 1) * weight_hop * need_x + grad_hops * grad_hop * need_weight
-    return RingTransfer(group_name, shard, received)
-
-
-# Ring op -> (what it does, its (shard, shape, group, param dtype, reduce dtype) from its args).
-_RING_OPS = {
-    torch.ops.zppc.rtp_linear.default: lambda a: ("forward", (a[1], *a[3:7])),
-    torch.ops.zppc.rtp_embedding.default: lambda a: ("forward", (a[1], *a[2:6])),
-    torch.ops.zppc.rtp_linear_backward.default: lambda a: ("linear_backward", (a[2], *a[3:7])),
-    torch.ops.zppc.rtp_embedding_backward.default: lambda a: (
-        "embedding_backward",
-        (a[2], *a[3:7]),
-    ),
-}
+    args = _ring_args(node)
+    if args is None:
+        return None
+    n = _GROUP_FROM_NAME(args.group_name).size()
+    val = args.shard.meta["val"]
+    weight_hop = val.numel() * (args.param_dtype or val.dtype).itemsize
+    sent_hop = weight_hop
+    if args.qwz_bits:
+        sent_hop = quant.PayloadLayout(val.numel(), args.qwz_block, args.qwz_bits).nbytes
+    weight_hops = (n - 1) * (args.kind != "embedding_backward" and args.need_x)
+    grad_hops = (n if n > 1 else 0) * (args.kind != "forward" and args.need_weight)
+    grad_hop = val.numel() * (args.reduce_dtype or args.param_dtype or val.dtype).itemsize
+    return RingTransfer(
+        args.group_name,
+        args.shard,
+        weight_hops * sent_hop + grad_hops * grad_hop,
+        weight_hops * weight_hop + grad_hops * grad_hop,
+    )
 
 
 @register_flop_formula(torch.ops.zppc.rtp_linear)
@@ -375,6 +444,6 @@ def _linear_flops(x_shape, shard_shape, bias_shape, shape, *args, out_shape=None
 @register_flop_formula(torch.ops.zppc.rtp_linear_backward)
 def _linear_backward_flops(
     grad_shape, x_shape, shard_shape, shape, group_name, param_dtype, reduce_dtype, need_x,
-    need_weight, out_shape=None, **kwargs,
+    need_weight, *qwz, out_shape=None, **kwargs,
 ) -> int:  # fmt: skip
     return 2 * math.prod(x_shape[:-1]) * shape[0] * shape[1] * (int(need_x) + int(need_weight))

@@ -175,7 +175,7 @@ MODELS.update(padded=PaddedMLP, even=EvenMLP, batchnorm=BatchNormNet)
 class AttentionNet(nn.Module):
     """nn.MultiheadAttention between two linears: its packed input projection is
     read through `F.multi_head_attention_forward`, its output projection is an
-    nn.Linear (RTP rotates the latter and replicates the former)."""
+    nn.Linear (RTP rotates both)."""
 
     def __init__(self):
         super().__init__()
@@ -200,3 +200,28 @@ class AttentionNet(nn.Module):
 
 
 MODELS["attention"] = AttentionNet
+
+
+class CrossAttentionNet(nn.Module):
+    """Attention whose query is not its key and value, returning its weights:
+    with key/value widths of its own (separate query, key and value weights,
+    each applied by one `linear`) and with packed weights (sliced into query
+    and key/value parts first, so RTP gathers the packed weight there)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(7, 12, bias=False)
+        self.separate = nn.MultiheadAttention(12, 3, kdim=7, vdim=7, batch_first=True, bias=False)
+        self.packed = nn.MultiheadAttention(12, 3, batch_first=True, bias=False)
+        self.out = nn.Linear(12, 5)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.inp(x))
+        a, weights = self.separate(h, x, x)
+        b, _ = self.packed(a, h, h, need_weights=False)
+        return F.mse_loss(self.out(b), y) + 0.1 * weights.square().mean()
+
+    batch = staticmethod(AttentionNet.batch)
+
+
+MODELS["cross_attention"] = CrossAttentionNet

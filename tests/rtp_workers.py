@@ -14,13 +14,15 @@ def _ops(gm) -> list[str]:
     return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
 
 
-def rtp_step(rank, world, model_name="chain", lowering="eager"):
+def rtp_step(rank, world, model_name="chain", lowering="eager", extra=None):
     """One compiled RTP step after a warm-up: the ledger, which parameters are
     rotated, the final graphs' ops, and the shapes saved for backward."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = MODELS[model_name]()
-    zppc.distribute(model, zppc.Config(strategy="rtp", node_size=2, lowering=lowering))
+    zppc.distribute(
+        model, zppc.Config(strategy="rtp", node_size=2, lowering=lowering, **(extra or {}))
+    )
     step = torch.compile(model, backend="zppc")
     x, y = model.batch(0)
     x, y = local_slice(x, rank, world), local_slice(y, rank, world)
@@ -39,6 +41,9 @@ def rtp_step(rank, world, model_name="chain", lowering="eager"):
     records = inspection.compiles
     return {
         "planned": sum(c.bytes_per_peer for c in inspection.schedule if c.ring),
+        "planned_unquantized": sum(
+            c.unquantized_bytes_per_peer for c in inspection.schedule if c.ring
+        ),
         "stats": zppc.comm_stats().as_dict(),
         "modes": {fqn: spec.mode for fqn, spec in state_of(model).specs.items()},
         "forward": [op for r in records for op in _ops(r.final["forward"])],

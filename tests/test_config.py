@@ -61,7 +61,6 @@ def test_bad_values_name_the_field(kwargs, words):
 
 def test_unbuilt_features_refuse_instead_of_ignoring():
     unbuilt = (
-        dict(strategy="rtp", qwz="int8"),
         dict(strategy="rtp", osp=0.5),
         dict(osp=0.3, osp_split="magnitude"),
     )

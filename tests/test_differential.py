@@ -100,6 +100,8 @@ STRATEGIES = {
     "zero3-keep": dict(strategy="zero3", node_size=2, keep_gathered_bytes=40_000, prefetch=2),
     # Rotated weights: compiled runs the ring, eager gathers (the reference).
     "rtp": dict(strategy="rtp", node_size=2),
+    # The ring's weight hops quantized (qwZ): checked like "zeropp".
+    "rtp-qwz": dict(strategy="rtp", node_size=2, qwz="int8", qwz_block=64),
 }
 
 ALL_MODELS = ("mlp", "padded", "even", "gpt", "frozen", "batchnorm")
@@ -146,15 +148,22 @@ SLOW_MATRIX = {
 # qgZ quantized within "zeropp".
 # zero3-keep differs from zero3 only in the partition and the order: the GPT
 # case above covers it.
-FULL_MATRIX_STRATEGIES = [s for s in STRATEGIES if s not in ("qgz-exact", "zero3-keep")]
+# rtp-qwz shares the ring with rtp and the quantization with zeropp (both run
+# at every size): it runs on 2 ranks only.
+FULL_MATRIX = [
+    (size, strategy)
+    for size in SLOW_MATRIX
+    for strategy in STRATEGIES
+    if strategy not in ("qgz-exact", "zero3-keep")
+    and not (strategy == "rtp-qwz" and size != "2 ranks")
+]
 
 
 @pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.inductor
 @pytest.mark.timeout(2400)
-@pytest.mark.parametrize("strategy", FULL_MATRIX_STRATEGIES)
-@pytest.mark.parametrize("size", list(SLOW_MATRIX))
+@pytest.mark.parametrize("size,strategy", FULL_MATRIX)
 def test_full_matrix(size, strategy):
     world, runs, micro_steps = SLOW_MATRIX[size]
     cases = []

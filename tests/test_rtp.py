@@ -13,10 +13,12 @@ import pytest
 from rtp_workers import rtp_step, step_memory
 from spawn import run_ranks
 from test_parity import check, run_matrix
+from zppc.kernels.quant import PayloadLayout
 
 pytestmark = pytest.mark.multiproc
 
 CASES = [(m, o) for m in ("mlp", "gpt", "frozen", "attention") for o in ("sgd", "adamw")]
+CASES.append(("cross_attention", "adamw"))
 
 
 def check_matrix(per_rank, cases):
@@ -48,19 +50,19 @@ def test_rtp_trains_like_one_process_under_inductor():
 CHAIN = [(30, 10), (21, 30), (7, 21)]  # tests/models.py Chain: bias-free linears (out, in)
 
 
-def expected_ring_bytes(world: int) -> tuple[int, int]:
+def expected_ring_bytes(world: int, weight_hop=lambda numel: 4 * numel) -> tuple[int, int]:
     """(bytes, transfers) each rank receives in one Chain step: per layer of R
     rows per rank, a float32 shard of R x in; the forward applies the N-1
     shards of the others, the backward re-rotates them (N-1 hops) unless the
     input needs no gradient (the first layer), and reduces the weight
-    gradient with N partial-sum hops."""
+    gradient with N partial-sum hops (`weight_hop(numel)`: the bytes of one
+    weight hop, float32 unless quantized)."""
     total = calls = 0
     for layer, (out, inp) in enumerate(CHAIN):
-        shard = math.ceil(out / world) * inp * 4
-        backward_weight_hops = 0 if layer == 0 else world - 1
-        hops = (world - 1) + backward_weight_hops + world
-        total += hops * shard
-        calls += hops
+        numel = math.ceil(out / world) * inp
+        weight_hops = (world - 1) + (0 if layer == 0 else world - 1)
+        total += weight_hops * weight_hop(numel) + world * 4 * numel
+        calls += weight_hops + world
     return total, calls
 
 
@@ -83,19 +85,86 @@ def test_rtp_plan_ring_bytes_and_saved_tensors():
         assert r["stats"]["inter_node_bytes"] == (total if crosses_node else 0)
         assert r["stats"]["intra_node_bytes"] == (0 if crosses_node else total)
         # The compiled plan states the same bytes as the run.
-        assert r["planned"] == total
+        assert r["planned"] == r["planned_unquantized"] == total
         assert not set(r["saved"]) & set(CHAIN), f"a full weight was saved: {r['saved']}"
 
 
 @pytest.mark.timeout(300)
-def test_rtp_replicates_what_it_cannot_rotate():
-    """nn.MultiheadAttention's packed input projection and every bias are
-    replicated (all-reduced gradients); its output projection rotates."""
+@pytest.mark.parametrize("qwz,bits", [("int8", 8), ("int4", 4)])
+def test_rtp_qwz_hops_carry_quantized_payloads(qwz, bits):
+    """With qwZ every weight hop is one payload (a float32 scale per block of
+    64, then the values); partial sums stay float32. Run, plan and the
+    unquantized size all agree with the shapes."""
+    world = 4
+    extra = {"qwz": qwz, "qwz_block": 64}
+    per_rank = run_ranks(rtp_step, world, "chain", "eager", extra, timeout=240)
+    payload = lambda numel: PayloadLayout(numel, 64, bits).nbytes  # noqa: E731
+    total, calls = expected_ring_bytes(world, payload)
+    unquantized, _ = expected_ring_bytes(world)
+    assert total < unquantized
+    for r in per_rank:
+        assert r["stats"]["by_kind"] == {"send_recv": total}
+        assert r["stats"]["calls"]["send_recv"] == calls
+        assert (r["planned"], r["planned_unquantized"]) == (total, unquantized)
+        assert not [op for op in r["forward"] + r["backward"] if "all_gather" in op]
+
+
+@pytest.mark.timeout(600)
+def test_rtp_qwz_applies_the_weights_zero3_qwz_gathers():
+    """Every rank, the owner too, applies the dequantized payload, the same
+    weights ZeRO++'s quantized all-gather hands zero3: on a model whose every
+    parameter rotates, rtp+qwz trains like zero3+qwz to float32 noise (only
+    the gradient reduction order differs). Against unquantized training, both
+    the chain and the GPT (whose norms and biases rtp replicates exactly) stay
+    within the quantization error."""
+    equal = [("chain", "sgd"), ("chain", "adamw")]
+    qwz = {"qwz": "int8", "qwz_block": 64}
+    rtp = run_ranks(run_matrix, 4, "rtp", 2, "eager", [*equal, ("gpt", "adamw")], qwz, timeout=540)
+    zero3 = run_ranks(run_matrix, 4, "zero3", 2, "eager", equal, qwz, timeout=540)
+    for r, z in zip(rtp, zero3, strict=True):
+        for case in equal:
+            assert r[case]["losses"] == pytest.approx(z[case]["losses"], rel=1e-5), case
+        for case, got in r.items():
+            assert got["comm"]["by_kind"].get("send_recv", 0) > 0, "the ring never ran"
+            pairs = zip(got["losses"], got["ref_losses"], strict=True)
+            quantization = max(abs(a - b) / abs(b) for a, b in pairs)
+            assert 0 < quantization <= 1e-2, (case, quantization)
+            assert got["losses"][-1] < got["losses"][0], case
+
+
+@pytest.mark.timeout(300)
+def test_rtp_rotates_attention_and_replicates_the_rest():
+    """nn.MultiheadAttention's packed input projection and its output
+    projection rotate (no gather of either is left); every bias is replicated
+    (all-reduced gradients)."""
     r = run_ranks(rtp_step, 2, "attention", timeout=240)[0]
-    assert r["modes"]["attn.in_proj_weight"] == "ddp"
     assert r["modes"]["inp.bias"] == r["modes"]["out.bias"] == "ddp"
-    assert set(r["rotated"]) == {"inp.weight", "attn.out_proj.weight", "out.weight"}
+    assert set(r["rotated"]) == {
+        "inp.weight",
+        "attn.in_proj_weight",
+        "attn.out_proj.weight",
+        "out.weight",
+    }
+    assert r["forward"].count("zppc.rtp_linear.default") == 4
+    assert not [op for op in r["forward"] + r["backward"] if "all_gather" in op]
     assert r["stats"]["by_kind"]["all_reduce"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_rtp_cross_attention_rotates_what_one_linear_applies():
+    """Separate query/key/value weights and the output projections rotate; a
+    packed weight that attention slices (query != key) keeps its gather, the
+    only gather left (forward, and again in backward as zero3 does)."""
+    r = run_ranks(rtp_step, 2, "cross_attention", timeout=240)[0]
+    assert r["modes"]["packed.in_proj_weight"] == "rtp"
+    # inp, out, separate: q, k, v and output projection, packed: output projection
+    assert r["forward"].count("zppc.rtp_linear.default") == 7
+    assert [op for op in r["forward"] if "all_gather" in op] == [
+        "_c10d_functional.all_gather_into_tensor.default"
+    ]
+    assert [op for op in r["backward"] if "all_gather" in op] == [
+        "_c10d_functional.all_gather_into_tensor.default"
+    ]
 
 
 @pytest.mark.timeout(900)

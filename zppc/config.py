@@ -45,7 +45,8 @@ class Config:
     weight outlives its use; "rtp" rotates weight shards around a ring."""
 
     qwz: str | None = None
-    """Quantized forward weight all-gather (ZeRO++ qwZ): None, "int8" or "int4"."""
+    """Quantized weight all-gathers (ZeRO++ qwZ): None, "int8" or "int4". With
+    strategy="rtp", the ring's weight hops travel quantized instead."""
 
     qwz_block: int | None = None
     """Elements per quantization block of qwZ (one fp32 scale each). None: the
@@ -244,15 +245,11 @@ class Config:
             )
         object.__setattr__(self, "disable_passes", tuple(self.disable_passes))
 
-        if self.strategy == "rtp" and self.qwz is not None:
-            raise NotImplementedError(
-                "zppc: strategy='rtp' with qwz (quantized ring hops) is not implemented yet"
-            )
         if self.strategy == "rtp" and self.osp is not None:
             raise NotImplementedError(
                 "zppc: strategy='rtp' with osp (a two-stage ring reduction) is not implemented yet"
             )
-        sharded = ("zero1", "zero2", "zero3")
+        sharded = ("zero1", "zero2", "zero3", "rtp")
         if self.qwz is not None and self.strategy not in sharded:
             raise ValueError(
                 f"qwz needs a sharded strategy {sharded}, got strategy={self.strategy!r}"

@@ -326,15 +326,25 @@ def distribute(model: nn.Module, config: Config | None = None) -> nn.Module:
 # Modules whose `weight` RTP rotates: the `rtp` pass rewrites their functional
 # forms (`F.linear`, `F.embedding`) into ring loops. nn.MultiheadAttention's
 # output projection is an nn.Linear; its packed input projection is not.
-ROTATED_MODULES = (nn.Linear, nn.Embedding)
+# Module type -> the names of its weights that it applies with `F.linear` or
+# `F.embedding` (nn.MultiheadAttention projects its inputs with `F.linear`,
+# packed or one weight each for query, key and value).
+ROTATED_WEIGHTS: dict[type, tuple[str, ...]] = {
+    nn.Linear: ("weight",),
+    nn.Embedding: ("weight",),
+    nn.MultiheadAttention: ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight"),
+}
 
 
 def rotatable(spec: ShardSpec, owners: list[tuple[nn.Module, str]]) -> bool:
     """Whether RTP rotates this parameter: a 2-D weight that every module
-    holding it uses as the weight of a linear or an embedding (a GPT's tied
-    embedding and output head). Anything else is replicated."""
+    holding it applies as a linear's or an embedding's weight (a GPT's tied
+    embedding and output head). Anything else is replicated. A use the `rtp`
+    pass cannot rewrite after all still reads the gathered weight (correct, at
+    zero3's memory for that weight)."""
     return len(spec.shape) == 2 and all(
-        isinstance(module, ROTATED_MODULES) and name == "weight" for module, name in owners
+        any(isinstance(module, kind) and name in names for kind, names in ROTATED_WEIGHTS.items())
+        for module, name in owners
     )
 
 

@@ -87,7 +87,7 @@ def schedule_points(graph: fx.Graph) -> list[SchedulePoint]:
                     "send_recv",
                     ring.group_name,
                     ring.shard.meta["val"],
-                    None,
+                    ring.unquantized_bytes,
                     ring_bytes=ring.received_bytes,
                 )
             )
