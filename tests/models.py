@@ -225,3 +225,50 @@ class CrossAttentionNet(nn.Module):
 
 
 MODELS["cross_attention"] = CrossAttentionNet
+
+
+class TruncatedLinear(nn.Linear):
+    """A linear initialized by rejection sampling (`trunc_normal_` reads the
+    values it drew): flyweight cannot replay it and materializes it whole."""
+
+    def reset_parameters(self):
+        nn.init.trunc_normal_(self.weight, std=0.05)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
+class ScaledLinear(nn.Linear):
+    """A linear initialized by a normal draw, then scalar elementwise ops."""
+
+    def reset_parameters(self):
+        self.weight.data.normal_(0.0, 1.0).mul_(0.04).add_(0.001)
+        self.bias.data.fill_(0.01)
+
+
+class InitZoo(nn.Module):
+    """Initializations of each kind flyweight replays (a normal draw with a
+    padding row, uniform draws, fills, BatchNorm's buffers, scalar ops after a
+    draw) and one it does not (`trunc_normal_`). Sizes leave remainders
+    under 16 at small chunk sizes."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(37, 15, padding_idx=5)
+        self.l1 = nn.Linear(15, 33)
+        self.norm = nn.LayerNorm(33)
+        self.bn = nn.BatchNorm1d(33)
+        self.scaled = ScaledLinear(33, 21)
+        self.trunc = TruncatedLinear(21, 3)
+
+    def forward(self, x, y):
+        h = self.bn(self.norm(self.l1(self.emb(x).mean(dim=1))))
+        return F.mse_loss(self.trunc(torch.tanh(self.scaled(torch.tanh(h)))), y)
+
+    @staticmethod
+    def batch(step: int, n: int = 8):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randint(0, 37, (n, 6), generator=g)
+        return x, torch.randn(n, 3, generator=torch.Generator().manual_seed(77))
+
+
+MODELS["init_zoo"] = InitZoo

@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import logging
 import math
 import warnings
 import weakref
@@ -30,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -41,6 +43,7 @@ from torch.utils._pytree import tree_map_only
 
 import zppc.ir  # noqa: F401  (registers zppc::unshard / zppc::reduce_grad)
 import zppc.runtime.rtp  # noqa: F401  (registers the RTP ring ops)
+from zppc import flyweight
 from zppc.config import Config
 from zppc.runtime.collectives import all_gather_ints, broadcast_from_first
 from zppc.runtime.grad_sync import GradSync, gathered, new_grad_sync
@@ -55,6 +58,8 @@ from zppc.runtime.topology import (
     side_world_group,
     world_group,
 )
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -292,18 +297,25 @@ def distribute(model: nn.Module, config: Config | None = None) -> nn.Module:
             mode = "rtp" if rotatable(spec, state.owners[fqn]) else "ddp"
             state.specs[fqn] = dataclasses.replace(spec, mode=mode)
 
-    # Module by module, so that a model built on the meta device never exists in
-    # full on any rank: materialize, take rank 0's values, keep this rank's shard.
+    # Module by module: a real module's values are rank 0's; a meta-device
+    # module is materialized shard by shard from rank 0's random stream
+    # (flyweight), so that no rank ever holds its full weights.
     first_owner = {id(module): [] for module, _ in (o[0] for o in state.owners.values())}
     for fqn, owners in state.owners.items():
         first_owner[id(owners[0][0])].append(fqn)
+    stream = _init_stream(model)
     for _, module in model.named_modules():
-        _materialize_meta(module)
+        owned = {
+            state.owners[fqn][0][1]: state.specs[fqn] for fqn in first_owner.get(id(module), ())
+        }
+        shards = _materialize_meta(module, stream, owned, rank)
         _broadcast_from_rank0(module)
         for fqn in first_owner.get(id(module), ()):
             spec = state.specs[fqn]
-            param = module._parameters[state.owners[fqn][0][1]]
-            flat = nn.Parameter(spec.shard_of(param.data, rank), requires_grad=param.requires_grad)
+            name = state.owners[fqn][0][1]
+            param = module._parameters[name]
+            shard = shards[name] if name in shards else spec.shard_of(param.data, rank)
+            flat = nn.Parameter(shard, requires_grad=param.requires_grad)
             with torch.no_grad():
                 dparam = nn.Parameter(
                     spec.as_dtensor(flat.detach(), mesh, rank), requires_grad=param.requires_grad
@@ -315,6 +327,8 @@ def distribute(model: nn.Module, config: Config | None = None) -> nn.Module:
             state.flat_shards[fqn] = flat
             for t in (flat, dparam):
                 _STATE_OF_SHARD[id(t)] = (weakref.ref(t), state)
+    if stream is not None and rank == 0:
+        torch.set_rng_state(stream.get_state())  # as if rank 0 had initialized alone
     _mark_forwards(model, config.param_dtype)
     if config.buffer_sync == "broadcast":
         _broadcast_buffers_after_forward(model, groups.world)
@@ -323,9 +337,7 @@ def distribute(model: nn.Module, config: Config | None = None) -> nn.Module:
     return model
 
 
-# Modules whose `weight` RTP rotates: the `rtp` pass rewrites their functional
-# forms (`F.linear`, `F.embedding`) into ring loops. nn.MultiheadAttention's
-# output projection is an nn.Linear; its packed input projection is not.
+# RTP's rotated weights: the `rtp` pass rewrites their uses into ring loops.
 # Module type -> the names of its weights that it applies with `F.linear` or
 # `F.embedding` (nn.MultiheadAttention projects its inputs with `F.linear`,
 # packed or one weight each for query, key and value).
@@ -690,20 +702,81 @@ def _check_meta(model: nn.Module) -> None:
             )
 
 
-def _materialize_meta(module: nn.Module) -> None:
-    """Real storage and the module's own initialization for a meta-device module
-    (checked beforehand by `_check_meta`; tensors it shares are sharded by now)."""
-    if not any(t.is_meta for t in _own_tensors(module)) or dist.get_backend() == "fake":
-        # Under the fake process group (planning: `zppc schedule`) values mean
-        # nothing and a paper-scale model would not fit anywhere: shards stay
-        # on meta and the planned step runs on shapes only.
-        return
+def _init_stream(model: nn.Module) -> torch.Generator | None:
+    """For a model with tensors on the meta device: a generator holding rank
+    0's random state (one broadcast), from which every rank draws its shards
+    as rank 0 alone would have drawn the whole model. None otherwise, and
+    under the fake process group, where shards stay on meta."""
+    tensors = [*model.parameters(), *model.buffers()]
+    if not any(t.is_meta for t in tensors) or dist.get_backend() == "fake":
+        return None
+    state = torch.get_rng_state().to(device_type())
+    dist.broadcast(state, src=0)
+    stream = torch.Generator()
+    stream.set_state(state.cpu())
+    return stream
+
+
+@contextlib.contextmanager
+def _drawing_from(stream: torch.Generator):
+    """The global CPU generator continues `stream` (for code that draws from
+    the global one); `stream` continues from where it stopped."""
+    saved = torch.get_rng_state()
+    torch.set_rng_state(stream.get_state())
+    try:
+        yield
+    finally:
+        stream.set_state(torch.get_rng_state())
+        torch.set_rng_state(saved)
+
+
+def _materialize_meta(
+    module: nn.Module, stream: torch.Generator | None, owned: dict[str, ShardSpec], rank: int
+) -> dict[str, Tensor]:
+    """Real values for a meta-device module's own tensors (checked beforehand
+    by `_check_meta`; tensors it shares are sharded by now): its buffers and
+    replicated parameters whole, and for each sharded parameter of `owned`
+    (name -> spec) only this rank's flat shard, returned by name. A module
+    whose initialization `flyweight` cannot replay is materialized whole
+    from the same stream (same values) and returns nothing."""
+    names = [name for name, t in _own_named_tensors(module) if t.is_meta]
+    if not names or stream is None:
+        return {}
     device = torch.device("cpu")
     if dist.get_backend() == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
-    module.to_empty(device=device, recurse=False)
-    with torch.no_grad():
-        module.reset_parameters()
+    try:
+        ops = flyweight.record_init(module, names)
+    except flyweight.Unsupported as exc:
+        logger.info("zppc: %s is materialized whole: %s", type(module).__name__, exc)
+        module.to_empty(device=device, recurse=False)
+        with torch.no_grad(), _drawing_from(stream):
+            module.reset_parameters()
+        return {}
+    ranges = {}
+    for name in names:
+        t = getattr(module, name)
+        spec = owned.get(name)
+        start, end = 0, t.numel()
+        if spec is not None and spec.mode != "ddp":
+            start = rank * spec.shard_numel
+            end = start + spec.valid_numel(rank)
+        ranges[name] = (t.shape, t.dtype, start, end)
+    kept = flyweight.replay(ops, ranges, stream)
+    shards = {}
+    for name, values in kept.items():
+        spec = owned.get(name)
+        if name in module._buffers:
+            module._buffers[name] = values.view(ranges[name][0]).to(device)
+        elif spec is None or spec.mode == "ddp":
+            shards[name] = values.view(ranges[name][0]).to(device)
+        else:
+            shards[name] = F.pad(values, (0, spec.shard_numel - values.numel())).to(device)
+    return shards
+
+
+def _own_named_tensors(module: nn.Module) -> list[tuple[str, Tensor]]:
+    return [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
 
 
 @torch.no_grad()
