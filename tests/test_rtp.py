@@ -39,6 +39,16 @@ def test_rtp_trains_like_one_process(world):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_rtp_on_eight_ranks_trains_like_one_process():
+    """N = 8 as 4 nodes of 2: every rank sees every shard once per ring (the
+    reference code's rotation order fails beyond 2)."""
+    cases = [("mlp", "sgd"), ("gpt", "adamw")]
+    per_rank = run_ranks(run_matrix, 8, "rtp", 2, "eager", cases, timeout=1140)
+    check_matrix(per_rank, cases)
+
+
+@pytest.mark.slow
 @pytest.mark.inductor
 @pytest.mark.timeout(1500)
 def test_rtp_trains_like_one_process_under_inductor():
