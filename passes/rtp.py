@@ -7,6 +7,8 @@ parameter is replicated, mode "ddp").
 
 Rewrites, for each rotated weight W = unshard(shard):
 - `linear(x, W, b)` -> `zppc::rtp_linear(x, shard, b)`;
+- `addmm(b, x, W)` (Hugging Face's Conv1D: W stored [in, out]) ->
+  `zppc::rtp_addmm(x, shard, b)`;
 - `embedding(indices, W, padding_idx)` (no max_norm, scale_grad_by_freq or
   sparse) -> `zppc::rtp_embedding(indices, shard, padding_idx)`;
 - `multi_head_attention_forward(..., W, ...)` (dynamo keeps
@@ -22,9 +24,11 @@ so a ring op ends with the layer's whole output for that micro-batch whichever
 way the weight is split; splitting by output rows fills disjoint output
 columns (no partial sums, no reshuffle before the next layer), and it is the
 `Shard(0)` layout the parameter already has. An embedding split by rows
-(vocabulary entries) shares that layout with a tied output head.
+(vocabulary entries) shares that layout with a tied output head. A Conv1D
+stores W transposed, so its rows are input features: there each step adds a
+partial product into the output (still no reshuffle: the output is whole).
 
-Both ops carry their own autograd rule, so aot_autograd derives a backward that
+The ring ops carry their own autograd rules, so aot_autograd derives a backward that
 re-rotates the weight rather than saving it. A use the pass does not know
 (a slice of the weight, a custom matmul) keeps reading the gathered W: correct,
 at zero3's memory for that weight. When every use is rewritten the gather goes.
@@ -54,6 +58,7 @@ from zppc.passes.dedupe import UNSHARD_TARGETS
 from zppc.passes.qwz import BITS
 
 LINEAR_TARGETS = (torch._C._nn.linear, F.linear)
+ADDMM_TARGETS = (torch.addmm,)
 EMBEDDING_TARGETS = (F.embedding,)
 
 
@@ -64,7 +69,7 @@ class RotatedUse:
     node: fx.Node
     unshard: fx.Node
     kind: str
-    """"linear" or "embedding"."""
+    """"linear", "addmm" or "embedding"."""
     data: fx.Node
     """The input (linear) or the indices (embedding)."""
     bias: fx.Node | None = None
@@ -87,6 +92,10 @@ def match_use(user: fx.Node, unshard: fx.Node) -> RotatedUse | None:
         bias = _arg(user, 2, "bias")
         if weight is unshard and x is not unshard and bias is not unshard:
             return RotatedUse(user, unshard, "linear", x, bias)
+    if user.target in ADDMM_TARGETS and len(shape) == 2 and not user.kwargs:
+        bias, x, weight = (_arg(user, i, "") for i in range(3))
+        if len(user.args) == 3 and weight is unshard and unshard not in (x, bias):
+            return RotatedUse(user, unshard, "addmm", x, bias)
     if user.target in EMBEDDING_TARGETS and len(shape) == 2:
         indices, weight = _arg(user, 0, "input"), _arg(user, 1, "weight")
         padding_idx = _arg(user, 2, "padding_idx")
@@ -205,8 +214,9 @@ def rtp_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     rewrites = []
     for use in find_rotated_uses(graph):
         shard, (shape, *ring_args) = _ring_args(use.unshard, ctx, qwz)
-        if use.kind == "linear":
-            op, args = torch.ops.zppc.rtp_linear.default, (use.data, shard, use.bias, shape)
+        if use.kind in ("linear", "addmm"):
+            op = getattr(torch.ops.zppc, f"rtp_{use.kind}").default
+            args = (use.data, shard, use.bias, shape)
         else:
             op, args = torch.ops.zppc.rtp_embedding.default, (use.data, shard, shape)
             ring_args.insert(3, use.padding_idx)  # after the dtypes, before qwz

@@ -11,6 +11,8 @@ the one arriving: double buffering, the transfer overlapping the matmul).
   output columns of the shard in hand (no partial sums, no reshuffle).
 - `rtp_embedding`: the rows are vocabulary entries; each step looks up the
   indices that fall in the shard in hand.
+- `rtp_addmm`: `bias + x @ W` with W stored [in, out] (Hugging Face's Conv1D),
+  its rows the input features: each step adds the shard's partial product.
 - Backward re-rotates the weights (nothing but this rank's shard and the input
   is saved) and sends each shard's gradient partial sum along with it, each
   rank adding its own; one last hop brings the sum to the shard's owner, which
@@ -213,7 +215,6 @@ def rtp_linear_backward(
     (a frozen weight sends no partial sums; a first layer's weight gradient
     needs no weight, so the weights stay put)."""
     ring = Ring(group_name)
-    travel, read = _travelling(shard, shape, param_dtype, qwz_bits, qwz_block)
     rows = shard.numel() // shape[1]
     padded = torch.nn.functional.pad(grad, (0, rows * ring.size - shape[0]))
     grad_x = torch.zeros_like(x)
@@ -225,20 +226,48 @@ def rtp_linear_backward(
     def add_grad_x(j: int, w: Tensor) -> None:
         grad_x.add_(torch.matmul(columns(j), w))
 
-    def partial(j: int, w: Tensor | None) -> Tensor:
-        if w is not None:
-            add_grad_x(j, w)
+    def weight_part(j: int) -> Tensor:
         return columns(j).reshape(-1, rows).t() @ flat_x
 
+    grad_shard = _ring_backward(
+        ring, shard, shape, (param_dtype, reduce_dtype, qwz_bits, qwz_block), need_x,
+        need_weight, add_grad_x, weight_part,
+    )  # fmt: skip
+    return grad_x, grad_shard
+
+
+def _ring_backward(
+    ring: Ring,
+    shard: Tensor,
+    shape: list[int],
+    dtypes_and_qwz: tuple,
+    need_x: bool,
+    need_weight: bool,
+    add_grad_x: Callable[[int, Tensor], None],
+    weight_part: Callable[[int], Tensor],
+) -> Tensor:
+    """The ring of a matmul's backward: re-rotate the weight for
+    `add_grad_x(j, shard_j)` when the input needs a gradient, and reduce
+    `weight_part(j)` (this rank's contribution to shard j's gradient) onto
+    each owner when the weight does; returns this rank's flat gradient shard,
+    averaged over ranks (zeros when not needed)."""
+    param_dtype, reduce_dtype, qwz_bits, qwz_block = dtypes_and_qwz
+    travel, read = _travelling(shard, shape, param_dtype, qwz_bits, qwz_block)
     if not need_weight:
         if need_x:
             _rotate(travel, ring, add_grad_x, read)
-        return grad_x, torch.zeros_like(shard)
+        return torch.zeros_like(shard)
+
+    def partial(j: int, w: Tensor | None) -> Tensor:
+        if w is not None:
+            add_grad_x(j, w)
+        return weight_part(j)
+
+    rows = shard.numel() // shape[1]
     acc_dtype = reduce_dtype or param_dtype or shard.dtype
-    total = _ring_reduce(
-        ring, (rows, shape[1]), acc_dtype, x.device, partial, travel if need_x else None, read
-    )
-    return grad_x, (total / ring.size).to(shard.dtype).reshape(-1)
+    weight = travel if need_x else None
+    total = _ring_reduce(ring, (rows, shape[1]), acc_dtype, shard.device, partial, weight, read)
+    return (total / ring.size).to(shard.dtype).reshape(-1)
 
 
 @rtp_linear_backward.register_fake
@@ -275,6 +304,101 @@ def _linear_backward(ctx, grad: Tensor):
 
 
 rtp_linear.register_autograd(_linear_backward, setup_context=_linear_setup)
+
+
+@torch.library.custom_op("zppc::rtp_addmm", mutates_args=())
+def rtp_addmm(
+    x: Tensor,
+    shard: Tensor,
+    bias: Tensor | None,
+    shape: list[int],
+    group_name: str,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+    qwz_bits: int,
+    qwz_block: int,
+) -> Tensor:
+    """`bias + x @ W` (Hugging Face's Conv1D) for a 2-D `x`, with W of `shape`
+    [in, out] split by rows, that is by input features: each step adds the
+    product of the shard in hand with its columns of x."""
+    ring = Ring(group_name)
+    travel, read = _travelling(shard, shape, param_dtype, qwz_bits, qwz_block)
+    rows = shard.numel() // shape[1]
+    padded = torch.nn.functional.pad(x, (0, rows * ring.size - shape[0]))
+    out = x.new_zeros(x.shape[0], shape[1])
+
+    def visit(j: int, w: Tensor) -> None:
+        out.addmm_(padded[:, j * rows : (j + 1) * rows], w)
+
+    _rotate(travel, ring, visit, read)
+    return out + bias if bias is not None else out
+
+
+@rtp_addmm.register_fake
+def _(x, shard, bias, shape, group_name, param_dtype, reduce_dtype, qwz_bits, qwz_block):
+    return x.new_empty(x.shape[0], shape[1])
+
+
+@torch.library.custom_op("zppc::rtp_addmm_backward", mutates_args=())
+def rtp_addmm_backward(
+    grad: Tensor,
+    x: Tensor,
+    shard: Tensor,
+    shape: list[int],
+    group_name: str,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+    need_x: bool,
+    need_weight: bool,
+    qwz_bits: int,
+    qwz_block: int,
+) -> tuple[Tensor, Tensor]:
+    """(grad of x, this rank's flat shard of the weight gradient averaged over
+    ranks) for `rtp_addmm`: shard j fills x's gradient columns of its input
+    features, and its gradient is x's columns times the output gradient."""
+    ring = Ring(group_name)
+    rows = shard.numel() // shape[1]
+    width = rows * ring.size
+    padded_x = torch.nn.functional.pad(x, (0, width - shape[0]))
+    grad_x = x.new_zeros(x.shape[0], width)
+
+    def add_grad_x(j: int, w: Tensor) -> None:
+        torch.matmul(grad, w.t(), out=grad_x[:, j * rows : (j + 1) * rows])
+
+    def weight_part(j: int) -> Tensor:
+        return padded_x[:, j * rows : (j + 1) * rows].t() @ grad
+
+    grad_shard = _ring_backward(
+        ring, shard, shape, (param_dtype, reduce_dtype, qwz_bits, qwz_block), need_x,
+        need_weight, add_grad_x, weight_part,
+    )  # fmt: skip
+    return grad_x[:, : shape[0]].contiguous(), grad_shard
+
+
+@rtp_addmm_backward.register_fake
+def _(
+    grad, x, shard, shape, group_name, param_dtype, reduce_dtype, need_x, need_weight, qwz_bits,
+    qwz_block,
+):  # fmt: skip
+    return torch.empty_like(x), torch.empty_like(shard)
+
+
+def _addmm_backward(ctx, grad: Tensor):
+    x, shard = ctx.saved_tensors
+    need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
+    grad_x, grad_shard = torch.ops.zppc.rtp_addmm_backward(
+        grad, x, shard, *ctx.args, need_x, need_weight, *ctx.qwz
+    )
+    grad_bias = grad.sum(0).to(ctx.bias_dtype) if need_bias else None
+    return (
+        grad_x if need_x else None,
+        grad_shard if need_weight else None,
+        grad_bias,
+        *[None] * 6,
+    )
+
+
+rtp_addmm.register_autograd(_addmm_backward, setup_context=_linear_setup)
 
 
 def _in_shard(indices: Tensor, j: int, rows: int) -> tuple[Tensor, Tensor]:
@@ -398,11 +522,14 @@ class _RingArgs:
 
 def _ring_args(node) -> _RingArgs | None:
     a = node.args
-    if node.target is torch.ops.zppc.rtp_linear.default:
+    if node.target in (torch.ops.zppc.rtp_linear.default, torch.ops.zppc.rtp_addmm.default):
         return _RingArgs("forward", a[1], a[4], a[5], a[6], a[7], a[8])
     if node.target is torch.ops.zppc.rtp_embedding.default:
         return _RingArgs("forward", a[1], a[3], a[4], a[5], a[7], a[8])
-    if node.target is torch.ops.zppc.rtp_linear_backward.default:
+    if node.target in (
+        torch.ops.zppc.rtp_linear_backward.default,
+        torch.ops.zppc.rtp_addmm_backward.default,
+    ):
         return _RingArgs("linear_backward", a[2], a[4], a[5], a[6], a[9], a[10], a[7], a[8])
     if node.target is torch.ops.zppc.rtp_embedding_backward.default:
         return _RingArgs("embedding_backward", a[2], a[4], a[5], a[6], need_x=False)
@@ -435,13 +562,13 @@ def ring_transfer(node) -> RingTransfer | None:
     )
 
 
-@register_flop_formula(torch.ops.zppc.rtp_linear)
+@register_flop_formula([torch.ops.zppc.rtp_linear, torch.ops.zppc.rtp_addmm])
 def _linear_flops(x_shape, shard_shape, bias_shape, shape, *args, out_shape=None, **kwargs) -> int:
     """The full weight's matmul, as `F.linear`'s (the cost model reads it)."""
     return 2 * math.prod(x_shape[:-1]) * shape[0] * shape[1]
 
 
-@register_flop_formula(torch.ops.zppc.rtp_linear_backward)
+@register_flop_formula([torch.ops.zppc.rtp_linear_backward, torch.ops.zppc.rtp_addmm_backward])
 def _linear_backward_flops(
     grad_shape, x_shape, shard_shape, shape, group_name, param_dtype, reduce_dtype, need_x,
     need_weight, *qwz, out_shape=None, **kwargs,

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import zppc
+from zppc.distribute import state_of
 
 VOCAB, SEQ, BATCH = 97, 16, 8
 
@@ -76,4 +77,11 @@ def train_hf(rank, world, arch, config_kwargs, checkpointing, steps=3):
         ref_losses.append(ref_loss.item())
     full = zppc.full_parameters(model)
     gaps = {n: (full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters()}
-    return {"losses": losses, "ref_losses": ref_losses, "gap": max(gaps.values())}
+    finals = [gm for r in zppc.inspect(step).compiles for gm in r.final.values()]
+    return {
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "gap": max(gaps.values()),
+        "modes": {fqn: spec.mode for fqn, spec in state_of(model).specs.items()},
+        "ops": [str(n.target) for gm in finals for n in gm.graph.nodes if n.op == "call_function"],
+    }

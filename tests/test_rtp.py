@@ -188,6 +188,27 @@ def test_rtp_hugging_face_llama_trains_like_one_process():
     assert r["gap"] <= 1e-5
 
 
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 4])
+def test_rtp_hugging_face_gpt2_rotates_conv1d_and_trains_like_one_process(world):
+    """GPT-2's Conv1D layers (W stored [in, out], applied by addmm) rotate by
+    input features; with the tied embedding and head, every 2-D weight rotates
+    and no gather is left."""
+    pytest.importorskip("transformers", reason="needs `pip install -e .[hf]`")
+    from hf_workers import train_hf
+
+    r = run_ranks(train_hf, world, "gpt2", {"strategy": "rtp"}, False, timeout=840)[0]
+    conv = [
+        fqn for fqn in r["modes"] if fqn.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight"))
+    ]
+    assert conv and all(r["modes"][fqn] == "rtp" for fqn in conv)
+    assert r["ops"].count("zppc.rtp_addmm.default") == len(conv)
+    assert not [op for op in r["ops"] if "all_gather" in op]
+    for loss, ref in zip(r["losses"], r["ref_losses"], strict=True):
+        assert loss == pytest.approx(ref, rel=1e-5)
+    assert r["gap"] <= 1e-5
+
+
 @pytest.mark.timeout(600)
 def test_rtp_step_memory_stays_near_a_shard_of_each_layer():
     """Measured, not computed: the resident set's peak during one step, above

@@ -348,15 +348,25 @@ ROTATED_WEIGHTS: dict[type, tuple[str, ...]] = {
 }
 
 
+def _rotated_weight_names(module: nn.Module) -> tuple[str, ...]:
+    for kind, names in ROTATED_WEIGHTS.items():
+        if isinstance(module, kind):
+            return names
+    # Hugging Face's Conv1D (GPT-2) applies `addmm(bias, x, weight)`; known
+    # by name, so that zppc never imports transformers itself.
+    if type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers."):
+        return ("weight",)
+    return ()
+
+
 def rotatable(spec: ShardSpec, owners: list[tuple[nn.Module, str]]) -> bool:
     """Whether RTP rotates this parameter: a 2-D weight that every module
-    holding it applies as a linear's or an embedding's weight (a GPT's tied
-    embedding and output head). Anything else is replicated. A use the `rtp`
-    pass cannot rewrite after all still reads the gathered weight (correct, at
-    zero3's memory for that weight)."""
+    holding it applies as a linear's, an embedding's or a Conv1D's weight (a
+    GPT's tied embedding and output head). Anything else is replicated. A use
+    the `rtp` pass cannot rewrite after all still reads the gathered weight
+    (correct, at zero3's memory for that weight)."""
     return len(spec.shape) == 2 and all(
-        any(isinstance(module, kind) and name in names for kind, names in ROTATED_WEIGHTS.items())
-        for module, name in owners
+        name in _rotated_weight_names(module) for module, name in owners
     )
 
 
