@@ -15,6 +15,7 @@ CAN_RUN = os.geteuid() == 0 and shutil.which("tc") is not None and shutil.which(
 pytestmark = pytest.mark.timeout(900)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not CAN_RUN, reason="needs root with ip and tc (network namespaces, traffic shaping)"
 )

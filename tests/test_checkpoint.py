@@ -19,7 +19,7 @@ def test_resume_is_exact(tmp_path):
     assert loaded["lr"] == saved["lr"]
 
 
-@pytest.mark.parametrize("api", ["zppc", "dcp"])
+@pytest.mark.parametrize("api", ["zppc", pytest.param("dcp", marks=pytest.mark.slow)])
 def test_load_on_another_world_size(tmp_path, api):
     """Saved on 4 ranks, loaded on 2: by zppc.save / zppc.load, and by DCP with
     the standard state-dict functions directly."""

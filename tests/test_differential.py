@@ -125,6 +125,7 @@ def test_padded_mlp_with_momentum_under_both_lowerings(world):
 
 # Buffers mutated in forward (BatchNorm statistics and counter, a user counter),
 # tied, frozen and unpadded parameters, AdamW: the strategies users pick most.
+@pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.inductor
 @pytest.mark.timeout(1500)

@@ -22,7 +22,7 @@ def test_undistributed_model_falls_back_to_ddp():
     "dtype, param_dtype, tol",
     [("bfloat16", None, 3e-2), ("float16", None, 5e-3), ("float32", "bfloat16", 3e-2)],
 )
-@pytest.mark.parametrize("strategy", ["zero3", "rtp"])
+@pytest.mark.parametrize("strategy", ["zero3", pytest.param("rtp", marks=pytest.mark.slow)])
 def test_low_precision_training(dtype, param_dtype, tol, strategy):
     result = run_ranks(dtype_training, 2, dtype, param_dtype, strategy)[0]
     compiled, eager, reference = result["compiled"], result["eager"], result["reference"]

@@ -135,7 +135,7 @@ def test_waits_at_first_use_and_reductions_issued_at_once(fake_rank):
     assert spans[-1][1] > matmuls[-1]
 
 
-@pytest.mark.parametrize("fake_rank", [0, 3], indirect=True)
+@pytest.mark.parametrize("fake_rank", [0, pytest.param(3, marks=pytest.mark.slow)], indirect=True)
 def test_every_rank_builds_the_same_schedule(fake_rank, tmp_path_factory):
     forward, backward = final_graphs(prefetch=1, qwz="int8", hpz=True)
     # Group names are process-local counters (and each rank's node group has
@@ -153,6 +153,7 @@ def test_every_rank_builds_the_same_schedule(fake_rank, tmp_path_factory):
         assert code == shared.read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fake_rank", [1], indirect=True)
 def test_inductor_keeps_the_overlap_order(fake_rank):
     from torch._inductor.utils import run_and_get_code

@@ -93,6 +93,7 @@ def test_user_device_mesh_gives_the_groups(eager_results):
         assert_trains_like_reference(r, loss_rtol=2e-3, gap=2e-2)
 
 
+@pytest.mark.slow
 def test_clipping_under_inductor():
     r = run_ranks(parameter_model, WORLD, "inductor", ["clipping"], timeout=840)[0]["clipping"]
     assert r["norms"] == pytest.approx(r["ref_norms"], rel=1e-5)

@@ -43,7 +43,7 @@ CASES = [(m, o) for m in ("mlp", "gpt", "frozen") for o in ("sgd", "adamw")]
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow), "zero3"])
 @pytest.mark.parametrize("world,node_size", [(4, 2), (2, 2)])
 def test_parity_with_single_process(strategy, world, node_size):
     per_rank = run_ranks(run_matrix, world, strategy, node_size, "eager", CASES, timeout=540)
@@ -57,7 +57,7 @@ def test_parity_with_single_process(strategy, world, node_size):
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+@pytest.mark.parametrize("strategy", [pytest.param("zero1", marks=pytest.mark.slow), "zero2"])
 def test_parity_other_zero_stages(strategy):
     cases = [("mlp", "adamw"), ("gpt", "sgd")]
     for result in run_ranks(run_matrix, 2, strategy, 2, "eager", cases)[0].values():

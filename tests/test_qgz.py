@@ -155,6 +155,7 @@ def test_unquantized_two_hops_on_eight_ranks(node_size):
     assert gap <= 1e-7
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.timeout(900)
 def test_hops_of_consecutive_buckets_are_pipelined():
@@ -186,6 +187,7 @@ def test_gradient_signal_to_noise_on_the_small_gpt():
     assert int4 >= 18 and int8 >= 38
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.timeout(900)
 def test_error_feedback_keeps_errors_from_accumulating():

@@ -9,7 +9,7 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 WORLD = 4
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_int8_gathers_move_a_quarter_of_fp32(dtype):
     for result in run_ranks(qwz_step_bytes, WORLD, dtype):
         p, q = result[None], result["int8"]

@@ -32,7 +32,7 @@ def check_matrix(per_rank, cases):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 4])
 def test_rtp_trains_like_one_process(world):
     per_rank = run_ranks(run_matrix, world, "rtp", 2, "eager", CASES, timeout=540)
     check_matrix(per_rank, CASES)
@@ -177,6 +177,7 @@ def test_rtp_cross_attention_rotates_what_one_linear_applies():
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_rtp_hugging_face_llama_trains_like_one_process():
     pytest.importorskip("transformers", reason="needs `pip install -e .[hf]`")
@@ -209,6 +210,7 @@ def test_rtp_hugging_face_gpt2_rotates_conv1d_and_trains_like_one_process(world)
     assert r["gap"] <= 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_rtp_step_memory_stays_near_a_shard_of_each_layer():
     """Measured, not computed: the resident set's peak during one step, above

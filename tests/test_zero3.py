@@ -44,7 +44,7 @@ def test_rank_state_is_one_world_th():
         assert 1 / world * 0.9 <= ratio <= 1 / world * 1.05, ratio
 
 
-@pytest.mark.parametrize("model", ["gpt", "frozen"])
+@pytest.mark.parametrize("model", ["gpt", pytest.param("frozen", marks=pytest.mark.slow)])
 def test_all_ranks_build_identical_graphs(model):
     hashes = run_ranks(
         graph_hashes, 4, model, dict(strategy="zero3", node_size=2, lowering="eager")
