@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from models import MODELS
 from workers import local_slice
@@ -94,3 +96,23 @@ def step_memory(rank, world, strategy, width=2048, layers=4):
     before = status("VmRSS:")
     step(x, y).backward()
     return {"added": status("VmHWM:") - before, "layer": width * width * 4}
+
+
+def uneven_batches(rank, world):
+    """Each rank trains on a micro-batch of its own size (1 + 2 * rank rows):
+    the weight gradients are the mean over ranks of each rank's gradient,
+    compared with one process computing the same mean."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MODELS["chain"]()
+    reference = copy.deepcopy(model)
+    zppc.distribute(model, zppc.Config(strategy="rtp", node_size=2, lowering="eager"))
+    step = torch.compile(model, backend="zppc")
+    sizes = [1 + 2 * r for r in range(world)]
+    x, y = model.batch(0, n=sum(sizes))
+    xs, ys = x.split(sizes), y.split(sizes)
+    step(xs[rank], ys[rank]).backward()
+    total = sum(reference(a, b) for a, b in zip(xs, ys, strict=True)) / world
+    total.backward()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    return {n: (grads[n] - p.grad).abs().max().item() for n, p in reference.named_parameters()}

@@ -10,7 +10,7 @@ and the hop counts), and that no full weight is saved for backward.
 import math
 
 import pytest
-from rtp_workers import rtp_step, step_memory
+from rtp_workers import rtp_step, step_memory, uneven_batches
 from spawn import run_ranks
 from test_parity import check, run_matrix
 from zppc.kernels.quant import PayloadLayout
@@ -229,6 +229,14 @@ def test_rtp_step_memory_stays_near_a_shard_of_each_layer():
         assert r["added"] <= grads + 3 * shard + slack, (r["added"], grads, shard)
         assert z["added"] >= grads + layer, z["added"]  # the measure sees a gathered layer
         assert r["added"] < z["added"] - layer
+
+
+@pytest.mark.timeout(300)
+def test_rtp_micro_batches_of_any_size():
+    """Micro-batches of 1, 3, 5 and 7 rows on 4 ranks: each rank's ring runs
+    on its own batch size; the gradients are the mean of the ranks' gradients."""
+    for rank, gaps in enumerate(run_ranks(uneven_batches, 4, timeout=240)):
+        assert max(gaps.values()) <= 1e-6, (rank, gaps)
 
 
 @pytest.mark.timeout(300)
