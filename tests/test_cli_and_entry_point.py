@@ -105,6 +105,8 @@ def test_schedule_rtp_plans_the_ring(capsys):
     """Each rotated use is one ring op receiving from the next rank: rank 3 of
     4 per node receives across nodes, rank 0 inside its node; the embedding's
     forward brings the 15 other shards of ceil(vocab / 16) rows."""
+    from zppc.kernels.quant import PayloadLayout
+
     from zppc.models import PRESETS
 
     cfg = PRESETS["gpt-tiny"]
@@ -120,6 +122,13 @@ def test_schedule_rtp_plans_the_ring(capsys):
     assert all(r["intra_node_bytes"] == 0 for r in rows[3] if r["ring"])
     wte_shard = -(-cfg.vocab_size // 16) * cfg.n_embd * 4
     assert ring[0]["bytes_per_peer"] == 15 * wte_shard
+    # With qwZ int8 each hop is the shard's payload: one float32 scale per
+    # block of 2048, then a byte per value; the unquantized size is kept.
+    assert main([*args, "--strategy", "rtp", "--qwz", "int8", "--rank", "0"]) == 0
+    quantized = [r for r in json.loads(capsys.readouterr().out)["collectives"] if r["ring"]]
+    payload = PayloadLayout(wte_shard // 4, 2048, 8).nbytes
+    assert quantized[0]["bytes_per_peer"] == 15 * payload
+    assert quantized[0]["unquantized_bytes_per_peer"] == 15 * wte_shard
 
 
 @pytest.mark.parametrize(
@@ -127,7 +136,7 @@ def test_schedule_rtp_plans_the_ring(capsys):
     [
         (["--hpz", "--node-size", "3"], "16 % 3"),
         (["--qgz", "int4", "--node-size", "3"], "16 % 3"),
-        (["--strategy", "rtp", "--qwz", "int8"], "not implemented"),
+        (["--strategy", "rtp", "--osp", "0.5"], "not implemented"),
         (["--osp", "1.5"], "osp"),
     ],
 )
