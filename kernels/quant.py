@@ -35,6 +35,8 @@ except ImportError:  # pragma: no cover - triton is a Linux dependency
     HAS_TRITON = False
 
 QMAX = {8: 127, 4: 7}
+FORMAT_BITS = {"int8": 8, "int4": 4}
+"""Bits per value of each quantized format a Config names."""
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 from zppc.kernels import qgz as qgz_kernels
+from zppc.kernels.quant import FORMAT_BITS
 from zppc.passes.graph_utils import GraphBuilder
 from zppc.passes.zero import (
     GRAD_REDUCE,
@@ -62,7 +63,6 @@ from zppc.runtime.topology import Topology, default_node_size, group_size, setup
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
-BITS = {"int8": 8, "int4": 4}
 
 
 def find_grad_reduce_scatters(graph: fx.Graph) -> list[CollectiveMatch]:
@@ -141,7 +141,7 @@ class Hop:
 
     def __init__(self, group_name: str, fmt: str | None, config):
         self.group_name, self.fmt = group_name, fmt
-        self.quant = dict(block=config.qgz_block_size, bits=BITS[fmt]) if fmt else None
+        self.quant = dict(block=config.qgz_block_size, bits=FORMAT_BITS[fmt]) if fmt else None
         self.feedback: tuple[int, str] | None = None
         """(store id, key) of this hop's error-feedback residual, per bucket."""
 
@@ -180,7 +180,8 @@ class Hop:
         return payload
 
     def send(self, b: GraphBuilder, payload: fx.Node, unquantized_bytes: int) -> fx.Node:
-        """The all-to-all of `payload` rows, standing for `unquantized_bytes` of values."""
+        """The all-to-all of `payload` rows, standing for `unquantized_bytes` of
+        values (all rows: each peer would have sent its share of them)."""
         splits = [payload.meta["val"].numel() // self.peers] * self.peers
         received = collective(
             b,
@@ -192,7 +193,7 @@ class Hop:
             splits,
             self.group_name,
         )
-        received.meta[UNQUANTIZED_BYTES] = unquantized_bytes
+        received.meta[UNQUANTIZED_BYTES] = unquantized_bytes // self.peers
         return received
 
     def sum(self, b: GraphBuilder, received: fx.Node, numel: int) -> fx.Node:

@@ -35,7 +35,6 @@ from zppc.passes.zero import (
 from zppc.runtime.topology import group_size
 
 c10d = torch.ops._c10d_functional
-BITS = {"int8": 8, "int4": 4}
 
 
 def find_param_gathers(graph: fx.Graph) -> list[CollectiveMatch]:
@@ -50,7 +49,7 @@ def find_param_gathers(graph: fx.Graph) -> list[CollectiveMatch]:
 
 
 def qwz_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
-    bits = BITS[ctx.config.qwz]
+    bits = quant.FORMAT_BITS[ctx.config.qwz]
     block = ctx.config.qwz_block_size
     zppc_ops = torch.ops.zppc
     for m in find_param_gathers(gm.graph):

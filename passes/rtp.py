@@ -54,8 +54,8 @@ import torch
 import torch.nn.functional as F
 import zppc.runtime.rtp  # noqa: F401  (registers the ring ops)
 from torch import fx
+from zppc.kernels.quant import FORMAT_BITS
 from zppc.passes.dedupe import UNSHARD_TARGETS
-from zppc.passes.qwz import BITS
 
 LINEAR_TARGETS = (torch._C._nn.linear, F.linear)
 ADDMM_TARGETS = (torch.addmm,)
@@ -210,7 +210,7 @@ def _ring_args(unshard: fx.Node, ctx, qwz: tuple[int, int]) -> tuple[fx.Node, tu
 
 def rtp_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     graph = gm.graph
-    qwz = (BITS[ctx.config.qwz], ctx.config.qwz_block_size) if ctx.config.qwz else (0, 0)
+    qwz = (FORMAT_BITS[ctx.config.qwz], ctx.config.qwz_block_size) if ctx.config.qwz else (0, 0)
     rewrites = []
     for use in find_rotated_uses(graph):
         shard, (shape, *ring_args) = _ring_args(use.unshard, ctx, qwz)

@@ -24,6 +24,15 @@ optimizer:
 
 `synchronize` completes everything pending (an LGP redo, or the stale step
 still owed), so every rank then holds the synchronous-equivalent values.
+
+With `Config.qgz`, a stage-2 bucket is reduced as the `qgz` pass reduces
+stage 1 (reordered, quantized, an intra-node all-to-all, summed in fp32,
+requantized, a cross-node all-to-all, summed: the mean over the world), on
+side groups of its own. The hops chain, so they are issued at two points: the
+intra-node hop by the backward, the cross-node hop by the next forward (or by
+whatever needs the result first), which waits for the first hop after it has
+had the optimizer step to finish. ddp then gathers the shards back, when the
+result is needed.
 """
 
 from __future__ import annotations
@@ -35,10 +44,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from zppc.kernels import qgz as qgz_kernels
+from zppc.kernels.quant import FORMAT_BITS, PayloadLayout
 from zppc.runtime.collectives import bytes_per_peer
 from zppc.runtime.failures import naming_failures
 from zppc.runtime.ledger import record
-from zppc.runtime.topology import group_ranks
+from zppc.runtime.topology import group_ranks, side_node_groups
 
 _GROUP_FROM_NAME = dist.distributed_c10d._resolve_process_group
 
@@ -70,11 +81,149 @@ class Reduction:
         return self._mean
 
 
+@dataclass(frozen=True)
+class TwoHops:
+    """How stage 2 reduces a bucket with qgZ (`Config.qgz` set)."""
+
+    intra_group: str
+    cross_group: str
+    """Side groups: this rank's node, and the ranks of its local rank on every node."""
+    intra_quant: dict | None
+    """`block` and `bits` of the intra-node hop (None: unquantized, `qgz_quantize=False`)."""
+    cross_quant: dict | None
+    residuals: dict[str, Tensor] | None
+    """`qgz_error_feedback`: the model's residual store (what each hop's
+    quantization lost at the previous step, added before the next one)."""
+
+
+def two_hops_for(config, topology, residuals: dict[str, Tensor]) -> TwoHops | None:
+    """Stage 2's qgZ hops for a model with `config` (None without qgz);
+    collective: it creates the side groups."""
+    if config.qgz is None:
+        return None
+
+    def quant(fmt: str | None) -> dict | None:
+        if fmt is None or not config.qgz_quantize:
+            return None
+        return dict(block=config.qgz_block_size, bits=FORMAT_BITS[fmt])
+
+    intra, cross = side_node_groups(topology, config.timeout_s)
+    return TwoHops(
+        intra,
+        cross,
+        quant(config.qgz_intra_node),
+        quant(config.qgz),
+        residuals if config.qgz_error_feedback else None,
+    )
+
+
+@dataclass
+class TwoHopReduction:
+    """One stage-2 bucket reduced in two qgZ hops: the same interface as
+    `Reduction`, plus `advance`, which waits for the first hop and issues the
+    second."""
+
+    hops: TwoHops
+    mode: str
+    key: str
+    """The bucket's parameter names: its error-feedback residuals' key (the same on every rank)."""
+    world_group: str
+    """For ddp's gather of the shards back."""
+    ddp_layout: list[tuple[int, int]] | None
+    """ddp: (numel, columns) of each gradient in the rank-major rows, in order."""
+    _pending: tuple | None = None
+    """(work or None, received, peers, numel, quant, group) of the hop in flight."""
+    _hop: int = 0
+    _mean: Tensor | None = None
+
+    def issue(self, rank_major: Tensor) -> None:
+        """Start the intra-node hop of `rank_major` ([world, S]: row r is what
+        rank r owns, already divided by the world size, fp32)."""
+        nodes, per_node = self._sizes()
+        rows = qgz_kernels.reorder_for_two_hops(rank_major.reshape(-1), nodes, per_node)
+        self._start(self.hops.intra_group, self.hops.intra_quant, rows, "intra")
+        self._hop = 1
+
+    def advance(self) -> None:
+        """After the intra-node hop: its node sums go to the cross-node hop."""
+        if self._hop != 1:
+            return
+        nodes, _ = self._sizes()
+        node_sums = self._finish()
+        self._start(
+            self.hops.cross_group, self.hops.cross_quant, node_sums.view(nodes, -1), "inter"
+        )
+        self._hop = 2
+
+    def mean(self) -> Tensor:
+        if self._mean is None:
+            self.advance()
+            shard = self._finish()
+            self._mean = shard if self.ddp_layout is None else self._gathered(shard)
+        return self._mean
+
+    def _sizes(self) -> tuple[int, int]:
+        """(nodes, ranks per node)."""
+        nodes = _GROUP_FROM_NAME(self.hops.cross_group).size()
+        return nodes, _GROUP_FROM_NAME(self.hops.intra_group).size()
+
+    def _start(self, group_name: str, quant: dict | None, rows: Tensor, hop: str) -> None:
+        peers, numel = rows.shape
+        if peers == 1:  # a group of one: nothing to send
+            self._pending = (None, rows.reshape(-1), 1, numel, None, group_name)
+            return
+        if quant is None:
+            payload = rows.contiguous()
+        elif self.hops.residuals is None:
+            payload = qgz_kernels.quantize_rows(rows, **quant)
+        else:
+            key = f"osp:{self.key}:{hop}"
+            residual = self.hops.residuals.get(key)
+            if residual is not None and residual.shape == rows.shape:
+                rows = rows + residual
+            payload = qgz_kernels.quantize_rows(rows, **quant)
+            sent = qgz_kernels.dequantize_rows(payload, peers, numel, **quant)
+            self.hops.residuals[key] = rows - sent
+        received = torch.empty_like(payload)
+        group = _GROUP_FROM_NAME(group_name)
+        work = dist.all_to_all_single(
+            received.view(-1), payload.view(-1), group=group, async_op=True
+        )
+        record("all_to_all", group_name, bytes_per_peer("all_to_all", payload, peers))
+        self._pending = (work, received, peers, numel, quant, group_name)
+
+    def _finish(self) -> Tensor:
+        """The fp32 sum of the rows the hop in flight received, [numel]."""
+        work, received, peers, numel, quant, group_name = self._pending
+        self._pending = None
+        if work is None:
+            return received
+        with naming_failures(f"OSP's stage-2 qgZ all-to-all over ranks {group_ranks(group_name)}"):
+            work.wait()
+        if quant is None:
+            return qgz_kernels.exact_sum(received, peers)
+        return qgz_kernels.dequantize_sum(received, peers, numel, **quant)
+
+    def _gathered(self, shard: Tensor) -> Tensor:
+        """ddp: every rank's shard of the mean, back in the bucket's order of whole gradients."""
+        group = _GROUP_FROM_NAME(self.world_group)
+        rows = shard.new_empty(group.size() * shard.numel())
+        with naming_failures(f"OSP's stage-2 gather over ranks {group_ranks(self.world_group)}"):
+            dist.all_gather_single(rows, shard, group=group)
+        record("all_gather", self.world_group, bytes_per_peer("all_gather", shard, group.size()))
+        rows = rows.view(group.size(), -1)
+        pieces, column = [], 0
+        for numel, columns in self.ddp_layout:
+            pieces.append(rows[:, column : column + columns].reshape(-1)[:numel])
+            column += columns
+        return torch.cat(pieces)
+
+
 @dataclass
 class InFlight:
     """One parameter's part of a stage-2 reduction."""
 
-    reduction: Reduction
+    reduction: Reduction | TwoHopReduction
     offset: int
     local: Tensor
     """What the backward gave the parameter instead: this rank's own gradient."""
@@ -143,6 +292,18 @@ class OspState:
     owed: dict[str, tuple[weakref.ref, list[InFlight]]] = field(default_factory=dict)
     """Stale: the reductions the next step (or `synchronize`) applies, with the
     optimizer that stepped the parameter last."""
+    two_hops: TwoHops | None = None
+    """`Config.qgz`: stage 2 reduces in two quantized hops."""
+    first_hops: list[TwoHopReduction] = field(default_factory=list)
+    """Two-hop reductions whose cross-node hop is not issued yet, in issue order."""
+
+    def advance(self) -> None:
+        """Issue the cross-node hop of every two-hop reduction that took its
+        intra-node hop, in the order they were issued (the same on every rank:
+        each side group sees its collectives in one order)."""
+        for reduction in self.first_hops:
+            reduction.advance()
+        self.first_hops.clear()
 
     def stage2_in(self, held: set[int]) -> list[str]:
         """The stage-2 parameters among `held` (ids of an optimizer's parameters)."""
@@ -153,6 +314,7 @@ class OspState:
 
     def before_step(self, optimizer: torch.optim.Optimizer, ours: list[str]) -> None:
         """`ours`: the stage-2 parameters `optimizer` steps."""
+        self.advance()
         state = self.model_state()
         if self.lgp:
             self._redo([fqn for fqn in ours if fqn in self.taken])
@@ -176,6 +338,7 @@ class OspState:
 
     def synchronize(self) -> None:
         """Complete every pending stage-2 reduction and what it owes."""
+        self.advance()
         state = self.model_state()
         if self.lgp:
             self._redo(sorted(self.taken))
@@ -326,27 +489,15 @@ def osp_issue(
         sizes = [g.numel() for g in gs]
         locals_ = [g.detach().to(out_dtype, copy=True) for g in grads]
     else:
-        # Rank-major: row r holds every gradient's slice for rank r, so the
-        # reduce-scatter hands each rank its shards side by side.
-        send = torch.cat(
-            [
-                torch.nn.functional.pad(g.reshape(-1), (0, n * world - g.numel())).view(world, n)
-                for g, n in zip(gs, shard_numels, strict=True)
-            ],
-            dim=1,
-        ).reshape(-1)
+        # Rank-major, so the reduce-scatter hands each rank its shards side by side.
+        send = _rank_major(gs, shard_numels, world).reshape(-1)
         sizes = list(shard_numels)
         mine = send.view(world, -1)[rank].split(sizes)
         locals_ = [piece.to(out_dtype, copy=True) for piece in mine]
-    kind = _reduction_kind(mode)
-    if kind == "reduce_scatter":
-        total = send.new_empty(sum(sizes))
-        work = dist.reduce_scatter_single(total, send, group=group, async_op=True)
+    if osp.two_hops is not None:
+        reduction = _issue_two_hops(osp, gs, fqns, shard_numels, mode, send, world)
     else:
-        total = send
-        work = dist.all_reduce(total, group=group, async_op=True)
-    record(kind, osp.group_name, bytes_per_peer(kind, send, world))
-    reduction = Reduction(work, total, mode, osp.group_name)
+        reduction = _issue_one(osp, send, sum(sizes), mode, world)
     offset = 0
     for fqn, size, local in zip(fqns.split("\n"), sizes, locals_, strict=True):
         # The gradient returned may become the parameter's `.grad` itself,
@@ -357,17 +508,91 @@ def osp_issue(
     return locals_
 
 
-def stage2_point(node):
-    """The schedule point of an `osp_issue` node: what its reduction sends."""
+def _issue_one(osp: OspState, send: Tensor, numel: int, mode: str, world: int) -> Reduction:
+    group = _GROUP_FROM_NAME(osp.group_name)
+    kind = _reduction_kind(mode)
+    if kind == "reduce_scatter":
+        total = send.new_empty(numel)
+        work = dist.reduce_scatter_single(total, send, group=group, async_op=True)
+    else:
+        total = send
+        work = dist.all_reduce(total, group=group, async_op=True)
+    record(kind, osp.group_name, bytes_per_peer(kind, send, world))
+    return Reduction(work, total, mode, osp.group_name)
+
+
+def _issue_two_hops(osp, grads, fqns, shard_numels, mode, send, world) -> TwoHopReduction:
+    """qgZ: the intra-node hop of `send` (rank-major), or for ddp of the
+    gradients laid out rank-major here (each padded to a multiple of the world)."""
+    layout = None
+    if mode == "ddp":
+        columns = _ddp_columns(grads, world)
+        layout = [(g.numel(), n) for g, n in zip(grads, columns, strict=True)]
+        send = _rank_major(grads, columns, world)
+    reduction = TwoHopReduction(osp.two_hops, mode, fqns, osp.group_name, layout)
+    # Divided first, as the qgz pass does: the two sums are then the mean.
+    reduction.issue(send.view(world, -1).float() / world)
+    osp.first_hops.append(reduction)
+    return reduction
+
+
+def _rank_major(grads: list[Tensor], columns: list[int], world: int) -> Tensor:
+    """[world, sum(columns)]: row r holds every gradient's slice for rank r
+    (gradient i padded to world x columns[i])."""
+    return torch.cat(
+        [
+            torch.nn.functional.pad(g.reshape(-1), (0, n * world - g.numel())).view(world, n)
+            for g, n in zip(grads, columns, strict=True)
+        ],
+        dim=1,
+    )
+
+
+def _ddp_columns(grads: list[Tensor], world: int) -> list[int]:
+    """ddp gradients are whole: each rank's slice of them for the two hops."""
+    return [-(-g.numel() // world) for g in grads]
+
+
+def stage2_points(node) -> list:
+    """The schedule points of an `osp_issue` node: what its reduction sends
+    (with qgZ, each hop, and ddp's gather of the shards back)."""
     from zppc.schedule import SchedulePoint
 
     grads, model, _fqns, shard_numels, mode, reduce_dtype, _out = node.args
     vals = [g.meta["val"] for g in grads]
-    group_name = _REGISTRY[model].group_name
-    world = _GROUP_FROM_NAME(group_name).size()
-    numel = sum(v.numel() for v in vals) if mode == "ddp" else sum(shard_numels) * world
-    sent = torch.empty(numel, dtype=reduce_dtype or vals[0].dtype, device="meta")
-    return SchedulePoint(node, None, _reduction_kind(mode), group_name, sent, None, stage=2)
+    osp = _REGISTRY[model]
+    world = _GROUP_FROM_NAME(osp.group_name).size()
+    dtype = reduce_dtype or vals[0].dtype
+
+    def point(kind, group_name, sent, unquantized=None):
+        return SchedulePoint(node, None, kind, group_name, sent, unquantized, stage=2)
+
+    hops = osp.two_hops
+    if hops is None:
+        numel = sum(v.numel() for v in vals) if mode == "ddp" else sum(shard_numels) * world
+        sent = torch.empty(numel, dtype=dtype, device="meta")
+        return [point(_reduction_kind(mode), osp.group_name, sent)]
+    if mode == "ddp":
+        shard_numels = _ddp_columns(vals, world)
+    columns = sum(shard_numels)
+    points, numel = [], world * columns
+    for group_name, quant in (
+        (hops.intra_group, hops.intra_quant),
+        (hops.cross_group, hops.cross_quant),
+    ):
+        peers = _GROUP_FROM_NAME(group_name).size()
+        numel //= peers  # what each destination gets: a node's share, then a shard
+        if peers == 1:
+            continue
+        if quant is None:
+            sent = torch.empty(peers, numel, dtype=torch.float32, device="meta")
+        else:
+            nbytes = PayloadLayout(numel, quant["block"], quant["bits"]).nbytes
+            sent = torch.empty(peers, nbytes, dtype=torch.uint8, device="meta")
+        points.append(point("all_to_all", group_name, sent, numel * dtype.itemsize))
+    if mode == "ddp":
+        points.append(point("all_gather", osp.group_name, torch.empty(columns, device="meta")))
+    return points
 
 
 def _reduction_kind(mode: str) -> str:

@@ -144,6 +144,21 @@ def side_world_group(topology: Topology, timeout_s: float | None = None) -> str:
     the collectives the next forward issues."""
     timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
     group = dist.new_group(list(range(topology.world_size)), timeout=timeout)
+    return _keep_side_group(group, topology)
+
+
+def side_node_groups(topology: Topology, timeout_s: float | None = None) -> tuple[str, str]:
+    """A second intra-node and cross-node group of this rank (collective, like
+    `side_world_group`, and for the same reason): OSP's quantized stage 2
+    takes its two qgZ hops on them. Group ranks follow global ranks, as in
+    the model's own groups: local rank in the node, node index across."""
+    timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
+    intra, _ = dist.new_subgroups_by_enumeration(topology.intra_node_groups(), timeout=timeout)
+    cross, _ = dist.new_subgroups_by_enumeration(topology.cross_node_groups(), timeout=timeout)
+    return _keep_side_group(intra, topology), _keep_side_group(cross, topology)
+
+
+def _keep_side_group(group: dist.ProcessGroup, topology: Topology) -> str:
     _SIDE_GROUPS.append(group)
     _NODE_SIZE[(world_epoch(), group.group_name)] = topology.node_size
     return group.group_name

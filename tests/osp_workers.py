@@ -21,19 +21,22 @@ def make_optimizer(name: str, params):
 
 def osp_training(rank, world, runs, lowering="eager", steps=STEPS, tmp=None):
     """For each run (strategy, optimizer, osp_lgp, micro-batches per step, how
-    training ends): `steps` compiled steps of OddMLP with OSP (F=0.5) on this
-    rank's slice of the batch. Training ends with `zppc.synchronize` ("sync"),
+    training ends[, further Config fields as (name, value) pairs]): `steps`
+    compiled steps of OddMLP with OSP (F=0.5) on this rank's slice of the batch. Training ends with `zppc.synchronize` ("sync"),
     a forward under `torch.no_grad()` ("no_grad"), one in eval mode ("eval")
     or `zppc.save` ("save"). Returns the initial parameters, the stage-2 set,
     this rank's parameters before and after the end, a digest of the latter,
     and the ledger of the last step."""
     out = {}
-    for strategy, optimizer, lgp, micro, finish in runs:
+    for run in runs:
+        strategy, optimizer, lgp, micro, finish, *fields = run
         torch._dynamo.reset()
         torch.manual_seed(0)
         net = OddMLP()
         init = {n: p.detach().clone() for n, p in net.named_parameters()}
-        config = zppc.Config(strategy=strategy, osp=0.5, osp_lgp=lgp, lowering=lowering)
+        config = zppc.Config(
+            strategy=strategy, osp=0.5, osp_lgp=lgp, lowering=lowering, **dict(*fields)
+        )
         zppc.distribute(net, config)
         opt = make_optimizer(optimizer, net.parameters())
         step = torch.compile(net, backend="zppc")
@@ -58,13 +61,14 @@ def osp_training(rank, world, runs, lowering="eager", steps=STEPS, tmp=None):
             zppc.save(net, opt, f"{tmp}/{strategy}-{optimizer}-{lgp}")
         params = {n: p.full_tensor().detach().clone() for n, p in net.named_parameters()}
         digest = hashlib.sha256(b"".join(params[n].numpy().tobytes() for n in sorted(params)))
-        out[(strategy, optimizer, lgp, micro, finish)] = {
+        out[run] = {
             "init": init,
             "stage2": sorted(net._zppc_state.osp.stage2),
             "local_before_sync": local,
             "params": params,
             "digest": digest.hexdigest(),
             "comm": comm,
+            "residuals": sorted(net._zppc_state.qgz_residuals),
         }
     return out
 

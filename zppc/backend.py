@@ -110,12 +110,16 @@ def compile_distributed(gm, example_inputs, config: Config, state: DistributedSt
 def _synchronizing_outside_training(compiled, state: DistributedState):
     """`compiled`, completing OSP's stage 2 before any forward that is not a
     training step (eval mode, or no autograd): evaluation sees the
-    synchronous-equivalent parameters."""
+    synchronous-equivalent parameters. A training forward issues the second
+    hop of the quantized stage-2 reductions (qgZ), which then runs while it
+    computes."""
 
     def run(*args):
         model = state.model_ref()
         if not torch.is_grad_enabled() or (model is not None and not model.training):
             state.osp.synchronize()
+        else:
+            state.osp.advance()
         return compiled(*args)
 
     run._boxed_call = getattr(compiled, "_boxed_call", False)

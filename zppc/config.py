@@ -263,10 +263,6 @@ class Config:
             )
         if self.osp is not None and self.osp_split == "magnitude":
             raise NotImplementedError("zppc: osp_split='magnitude' is not implemented yet")
-        if self.osp is not None and self.qgz is not None:
-            raise NotImplementedError(
-                "zppc: osp with qgz (a quantized stage-2 reduction) is not implemented yet"
-            )
         if self.strategy == "rtp" and (self.hpz or self.qgz):
             raise ValueError("strategy='rtp' does not combine with hpz or qgz")
 

@@ -191,7 +191,9 @@ def _replay(graphs, links, flops_per_second, flop_scale, carried: float):
     for name, gm, entries in graphs:
         points = schedule_points(gm.graph)
         done_at: dict[fx.Node, float] = {}
-        issue_of = {p.issue: (p, e) for p, e in zip(points, entries, strict=True)}
+        issue_of: dict[fx.Node, list] = {}  # one node may issue several (OSP's qgZ hops)
+        for p, e in zip(points, entries, strict=True):
+            issue_of.setdefault(p.issue, []).append((p, e))
         waits = {p.wait for p in points if p.wait is not None}
         span_start, span_flops = compute, 0
         for node in gm.graph.nodes:
@@ -203,20 +205,20 @@ def _replay(graphs, links, flops_per_second, flop_scale, carried: float):
                 continue
             timeline.extend(_compute_span(name, span_start, compute, span_flops))
             if node in issue_of:
-                point, entry = issue_of[node]
-                cost = collective_seconds(links, entry)
-                start = max(compute, comm_free)
-                comm_free = start + cost
-                if point.wait is not None:
-                    done_at[point.wait] = comm_free
-                    stage1_done = max(stage1_done, comm_free)
-                busy_comm += cost
-                timeline.append(_communication_span(name, entry, start, cost))
-                if point.wait is node:  # an RTP ring op: its transfers overlap its compute
-                    seconds = node_flops(node) * flop_scale / flops_per_second
-                    busy_compute += seconds
-                    timeline.append(Span("compute", str(node.target), name, start, seconds))
-                    compute = max(start + seconds, comm_free)
+                for point, entry in issue_of[node]:
+                    cost = collective_seconds(links, entry)
+                    start = max(compute, comm_free)
+                    comm_free = start + cost
+                    if point.wait is not None:
+                        done_at[point.wait] = comm_free
+                        stage1_done = max(stage1_done, comm_free)
+                    busy_comm += cost
+                    timeline.append(_communication_span(name, entry, start, cost))
+                    if point.wait is node:  # an RTP ring op: its transfers overlap its compute
+                        seconds = node_flops(node) * flop_scale / flops_per_second
+                        busy_compute += seconds
+                        timeline.append(Span("compute", str(node.target), name, start, seconds))
+                        compute = max(start + seconds, comm_free)
             else:
                 compute = max(compute, done_at[node])
             span_start, span_flops = compute, 0

@@ -47,7 +47,7 @@ from zppc import flyweight
 from zppc.config import Config
 from zppc.runtime.collectives import all_gather_ints, broadcast_from_first
 from zppc.runtime.grad_sync import GradSync, gathered, new_grad_sync
-from zppc.runtime.osp import OspState, before_optimizer_step, stepping_subset
+from zppc.runtime.osp import OspState, before_optimizer_step, stepping_subset, two_hops_for
 from zppc.runtime.osp import register as register_osp
 from zppc.runtime.topology import (
     Groups,
@@ -269,6 +269,7 @@ def distribute(model: nn.Module, config: Config | None = None) -> nn.Module:
             lgp=config.osp_lgp,
             group_name=side_world_group(topology, config.timeout_s),
             model_state=weakref.ref(state),
+            two_hops=two_hops_for(config, topology, state.qgz_residuals),
         )
         register_osp(state.osp)
     if config.strategy == "rtp":

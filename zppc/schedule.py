@@ -11,7 +11,7 @@ from torch import fx
 from zppc.passes.zero import UNQUANTIZED_BYTES, find_collectives
 from zppc.runtime.collectives import bytes_per_peer
 from zppc.runtime.ledger import node_link_bytes, received, ring_received
-from zppc.runtime.osp import stage2_point  # also registers zppc::osp_issue
+from zppc.runtime.osp import stage2_points  # also registers zppc::osp_issue
 from zppc.runtime.rtp import ring_transfer
 from zppc.runtime.topology import group_ranks
 
@@ -74,9 +74,8 @@ def schedule_points(graph: fx.Graph) -> list[SchedulePoint]:
         )
         for m in find_collectives(graph)
     ]
-    points += [
-        stage2_point(node) for node in graph.find_nodes(op="call_function", target=OSP_ISSUE)
-    ]
+    for node in graph.find_nodes(op="call_function", target=OSP_ISSUE):
+        points += stage2_points(node)
     for node in graph.nodes:
         ring = ring_transfer(node)
         if ring is not None and ring.received_bytes:
