@@ -5,9 +5,11 @@ Requires: a backward graph whose gradient reductions are still
 output at the position of its flat shard's gradient, and the model's OSP state
 (`Config.osp` set, `distribute` made it).
 
-Guarantees: the reductions of the gradients the backward produces last, as
-many as bring their bytes closest to `Config.osp` of the graph's gradient
-bytes (at least one), become `zppc::osp_issue` calls, coalesced up to
+Guarantees: the reductions of the gradients the backward produces last (with
+`osp_split="magnitude"`: of the gradients of smallest RMS at the first step;
+none before that step is measured), as many as bring their bytes closest to
+`Config.osp` of the graph's gradient bytes (at least one), become
+`zppc::osp_issue` calls, coalesced up to
 `Config.bucket_bytes` (stage 2: issued asynchronously on a side group and in
 flight past the graph, see `zppc.runtime.osp`); the others stay `reduce_grad`
 (stage 1) for the passes after this one.
@@ -47,7 +49,9 @@ class Stage2Match:
 
 def osp_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     osp = ctx.state.osp
-    chosen = choose_stage2(gm.graph, ctx.input_fqns, ctx.config.osp)
+    if ctx.config.osp_split == "magnitude" and osp.magnitudes is None:
+        return gm  # the measuring step: synchronous
+    chosen = choose_stage2(gm.graph, ctx.input_fqns, ctx.config.osp, osp.magnitudes)
     for bucket in stage2_buckets(chosen, ctx.config.bucket_bytes):
         # Issued where the bucket's last gradient is reduced today: all of its
         # gradients exist there.
@@ -87,9 +91,14 @@ def stage2_buckets(chosen: list[Stage2Match], bucket_bytes: int) -> list[list[St
 
 
 def choose_stage2(
-    graph: fx.Graph, input_fqns: tuple[str | None, ...], fraction: float
+    graph: fx.Graph,
+    input_fqns: tuple[str | None, ...],
+    fraction: float,
+    magnitudes: dict[str, float] | None = None,
 ) -> list[Stage2Match]:
-    """The stage-2 reductions, last produced first."""
+    """The stage-2 reductions, in the order they were taken: last produced
+    first or, given each parameter's gradient `magnitudes`, smallest first
+    (ties: last produced first)."""
     (output,) = graph.find_nodes(op="output")
     position = {id(v): i for i, v in enumerate(output.args[0]) if isinstance(v, fx.Node)}
     order = {node: i for i, node in enumerate(graph.nodes)}
@@ -103,8 +112,11 @@ def choose_stage2(
         nbytes = val.numel() * val.element_size()
         matches.append(Stage2Match(r, input_fqns[position[id(r.node)]], nbytes, order[r.node]))
     budget = fraction * sum(m.nbytes for m in matches)
+    candidates = list(reversed(matches))
+    if magnitudes is not None:
+        candidates.sort(key=lambda m: magnitudes[m.fqn])  # stable: ties keep the order
     chosen, taken = [], 0
-    for m in reversed(matches):
+    for m in candidates:
         if chosen and abs(taken + m.nbytes - budget) >= abs(taken - budget):
             break
         chosen.append(m)

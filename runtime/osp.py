@@ -292,6 +292,14 @@ class OspState:
     owed: dict[str, tuple[weakref.ref, list[InFlight]]] = field(default_factory=dict)
     """Stale: the reductions the next step (or `synchronize`) applies, with the
     optimizer that stepped the parameter last."""
+    split: str = "last"
+    """`Config.osp_split`."""
+    magnitudes: dict[str, float] | None = None
+    """`osp_split="magnitude"`: each parameter's gradient RMS at the first
+    optimizer step (global, so the same on every rank); None until then."""
+    plan: int = 0
+    """Bumped when the stage-2 choice changes (once magnitudes are measured):
+    graphs compiled for an older plan are compiled again."""
     two_hops: TwoHops | None = None
     """`Config.qgz`: stage 2 reduces in two quantized hops."""
     first_hops: list[TwoHopReduction] = field(default_factory=list)
@@ -304,6 +312,31 @@ class OspState:
         for reduction in self.first_hops:
             reduction.advance()
         self.first_hops.clear()
+
+    def measure(self) -> None:
+        """`osp_split="magnitude"`: every parameter's gradient RMS over its
+        elements, from the gradients this step will use (all synchronous: no
+        stage 2 before magnitudes exist). Collective: a sharded gradient's
+        sum of squares is added over the world, so every rank holds the same
+        values and every rank's next compile picks the same stage 2."""
+        state = self.model_state()
+        names = [fqn for fqn in sorted(state.specs) if state.shard(fqn).grad is not None]
+        squares = torch.tensor(
+            [state.shard(fqn).grad.detach().float().pow(2).sum() for fqn in names]
+        )
+        group = _GROUP_FROM_NAME(state.groups.world)
+        dist.all_reduce(squares, group=group)
+        self.magnitudes = {}
+        for fqn, total in zip(names, squares.tolist(), strict=True):
+            spec = state.specs[fqn]
+            replicas = group.size() if spec.mode == "ddp" else 1  # each rank added it whole
+            self.magnitudes[fqn] = (total / replicas / spec.numel) ** 0.5
+        self.plan += 1
+
+    def holds_any(self, held: set[int]) -> bool:
+        """Whether the optimizer whose parameter ids are `held` steps any of this model's."""
+        state = self.model_state()
+        return state is not None and any(id(state.parameter(f)) in held for f in state.specs)
 
     def stage2_in(self, held: set[int]) -> list[str]:
         """The stage-2 parameters among `held` (ids of an optimizer's parameters)."""
@@ -461,6 +494,8 @@ def before_optimizer_step(optimizer, args, kwargs) -> None:
         return
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     for osp in list(_REGISTRY.values()):
+        if osp.split == "magnitude" and osp.magnitudes is None and osp.holds_any(held):
+            osp.measure()
         ours = osp.stage2_in(held)
         if ours:
             osp.before_step(optimizer, ours)

@@ -21,8 +21,8 @@ def make_optimizer(name: str, params):
 
 def osp_training(rank, world, runs, lowering="eager", steps=STEPS, tmp=None):
     """For each run (strategy, optimizer, osp_lgp, micro-batches per step, how
-    training ends[, further Config fields as (name, value) pairs]): `steps`
-    compiled steps of OddMLP with OSP (F=0.5) on this rank's slice of the batch. Training ends with `zppc.synchronize` ("sync"),
+    training ends[, other Config fields as (name, value) pairs]): `steps`
+    compiled steps of OddMLP with OSP (F=0.5 unless set) on this rank's slice of the batch. Training ends with `zppc.synchronize` ("sync"),
     a forward under `torch.no_grad()` ("no_grad"), one in eval mode ("eval")
     or `zppc.save` ("save"). Returns the initial parameters, the stage-2 set,
     this rank's parameters before and after the end, a digest of the latter,
@@ -34,9 +34,8 @@ def osp_training(rank, world, runs, lowering="eager", steps=STEPS, tmp=None):
         torch.manual_seed(0)
         net = OddMLP()
         init = {n: p.detach().clone() for n, p in net.named_parameters()}
-        config = zppc.Config(
-            strategy=strategy, osp=0.5, osp_lgp=lgp, lowering=lowering, **dict(*fields)
-        )
+        settings = dict(strategy=strategy, osp=0.5, osp_lgp=lgp, lowering=lowering)
+        config = zppc.Config(**settings | dict(*fields))
         zppc.distribute(net, config)
         opt = make_optimizer(optimizer, net.parameters())
         step = torch.compile(net, backend="zppc")
@@ -69,11 +68,12 @@ def osp_training(rank, world, runs, lowering="eager", steps=STEPS, tmp=None):
             "digest": digest.hexdigest(),
             "comm": comm,
             "residuals": sorted(net._zppc_state.qgz_residuals),
+            "compiles": len(net._zppc_state.compiles),
         }
     return out
 
 
-def reference(init, strategy, optimizer, lgp, micro, stage2, world, steps=STEPS):
+def reference(init, strategy, optimizer, lgp, micro, stage2, world, steps=STEPS, stage2_from=0):
     """OSP's semantics on plain tensors, one model copy per rank (no zppc): the
     parameters every rank holds after `steps` steps and the final completion.
 
@@ -84,7 +84,7 @@ def reference(init, strategy, optimizer, lgp, micro, stage2, world, steps=STEPS)
     redone from the values saved before it, with the global mean gradient;
     without, each step uses the previous iteration's mean (none at step 0).
     `micro` micro-batches per step accumulate into one gradient. An empty
-    `stage2` is synchronous training."""
+    `stage2` is synchronous training; steps before `stage2_from` are too."""
     models = []
     for _ in range(world):
         m = OddMLP()
@@ -111,28 +111,28 @@ def reference(init, strategy, optimizer, lgp, micro, stage2, world, steps=STEPS)
         step_with(r, {n: mean[n] for n in stage2})
 
     for t in range(steps):
-        x, y = OddMLP.batch(t, 4 * world * micro)
-        local = []
-        for r in range(world):
-            models[r].zero_grad()
-            for xs, ys in zip(x.chunk(micro), y.chunk(micro), strict=True):
-                models[r](xs.chunk(world)[r], ys.chunk(world)[r]).backward()
-            local.append({n: p.grad.clone() for n, p in params[r].items()})
+        deferred = stage2 if t >= stage2_from else []
+        local = local_gradients(models, t, world, micro)
         mean = {n: sum(g[n] for g in local) / world for n in local[0]}
         for r in range(world):
-            grads = {n: mean[n] for n in mean if n not in stage2}
+            grads = {n: mean[n] for n in mean if n not in deferred}
             if lgp:
                 if saved[r] is not None:
                     redo(r, previous_mean)
                 saved[r] = (
-                    {n: params[r][n].detach().clone() for n in stage2},
-                    {n: copy.deepcopy(opts[r].state.get(params[r][n], {})) for n in stage2},
+                    (
+                        {n: params[r][n].detach().clone() for n in deferred},
+                        {n: copy.deepcopy(opts[r].state.get(params[r][n], {})) for n in deferred},
+                    )
+                    if deferred
+                    else None
                 )
-                grads.update({n: _owned(local, r, n, strategy, world) for n in stage2})
+                grads.update({n: _owned(local, r, n, strategy, world) for n in deferred})
             elif previous_mean is not None:
-                grads.update({n: previous_mean[n] for n in stage2})
+                grads.update({n: previous_mean[n] for n in deferred})
             step_with(r, grads)
-        previous_mean = mean
+        # The mean of a step's stage 2, which the next step applies.
+        previous_mean = mean if deferred else None
     for r in range(world):
         if not stage2:
             continue
@@ -141,6 +141,39 @@ def reference(init, strategy, optimizer, lgp, micro, stage2, world, steps=STEPS)
         else:
             step_with(r, {n: previous_mean[n] for n in stage2})
     return [{n: p.detach().clone() for n, p in params[r].items()} for r in range(world)]
+
+
+def local_gradients(models, t: int, world: int, micro: int) -> list[dict]:
+    """Each rank's gradient at step t (rank r's model on rank r's slice)."""
+    x, y = OddMLP.batch(t, 4 * world * micro)
+    local = []
+    for r, m in enumerate(models):
+        m.zero_grad()
+        for xs, ys in zip(x.chunk(micro), y.chunk(micro), strict=True):
+            m(xs.chunk(world)[r], ys.chunk(world)[r]).backward()
+        local.append({n: p.grad.clone() for n, p in m.named_parameters()})
+    return local
+
+
+def magnitude_choice(init, world, fraction=0.5) -> list[str]:
+    """The stage-2 set `osp_split="magnitude"` must pick: the parameters whose
+    step-0 global mean gradient has the smallest root-mean-square, as many as
+    bring their bytes closest to `fraction` of all (at least one)."""
+    model = OddMLP()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(init[n])
+    local = local_gradients([model] * world, 0, world, 1)
+    mean = {n: sum(g[n] for g in local) / world for n in local[0]}
+    rms = {n: (g.pow(2).mean() ** 0.5).item() for n, g in mean.items()}
+    budget = fraction * sum(g.numel() for g in mean.values())
+    chosen, taken = [], 0
+    for n in sorted(rms, key=rms.get):
+        if chosen and abs(taken + mean[n].numel() - budget) >= abs(taken - budget):
+            break
+        chosen.append(n)
+        taken += mean[n].numel()
+    return sorted(chosen)
 
 
 def _owned(local, r, name, strategy, world):

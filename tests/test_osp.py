@@ -96,10 +96,17 @@ def test_osp_under_inductor_every_strategy(tmp_path):
         ("zero1", "adamw", False, 1, "sync"),
         ("zero2", "sgd", True, 2, "no_grad"),
         ("zero3", "adamw", True, 1, "sync", EXACT_QGZ),
+        ("zero3", "adamw", True, 1, "sync", MAGNITUDE),
     ]
     results = run_ranks(ow.osp_training, 4, runs, "inductor", 4, str(tmp_path), timeout=1700)
-    for run in runs:
+    for run in runs[:-1]:
         _assert_equals_reference(results, run, 4, steps=4)
+    magnitude = runs[-1]
+    first = results[0][magnitude]
+    assert first["stage2"] == ow.magnitude_choice(first["init"], 4, fraction=0.7)
+    expected = ow.reference(first["init"], *magnitude[:4], first["stage2"], 4, 4, stage2_from=1)
+    for rank, r in enumerate(results):
+        assert _gap(r[magnitude]["params"], expected[rank]) < 1e-5, rank
 
 
 # OSP with qgZ on 2 nodes x 2: the two hops unquantized (exact), then int4.
@@ -152,6 +159,35 @@ def test_osp_with_qgz_reduces_stage_two_in_two_quantized_hops(tmp_path):
     # summation order on every rank).
     assert min(snr.values()) >= 15.0, snr
     assert snr[QGZ_RUNS[5]] > snr[QGZ_RUNS[3]], snr
+
+
+# At F = 0.7 the smallest gradients at the first step are the first layer's
+# and fc2.weight (at F = 0.5, the first layer's: what "last" picks too).
+MAGNITUDE = (("osp_split", "magnitude"), ("osp", 0.7))
+MAGNITUDE_RUNS = [
+    ("zero3", "adamw", True, 1, "sync", MAGNITUDE),
+    ("ddp", "sgd", True, 1, "sync", MAGNITUDE),
+    ("zero3", "sgd", False, 1, "sync", MAGNITUDE),
+]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_magnitude_split_measures_the_first_step_then_defers_the_smallest_gradients(tmp_path):
+    results = run_ranks(
+        ow.osp_training, 4, MAGNITUDE_RUNS, "eager", ow.STEPS, str(tmp_path), timeout=540
+    )
+    for run in MAGNITUDE_RUNS:
+        first = results[0][run]
+        chosen = ow.magnitude_choice(first["init"], 4, fraction=0.7)
+        assert first["stage2"] == chosen == ["fc1.bias", "fc1.weight", "fc2.weight"], run
+        # The first step is synchronous and measures; from the second on, the
+        # semantics with that stage 2; one compile more, on every rank alike.
+        expected = ow.reference(first["init"], *run[:4], chosen, 4, stage2_from=1)
+        for rank, r in enumerate(results):
+            assert _gap(r[run]["params"], expected[rank]) < 1e-5, (run, rank)
+            assert r[run]["compiles"] == 2, run
+        assert len({r[run]["digest"] for r in results}) == 1, run
 
 
 def _match(nbytes: int, order: int, mode: str = "zero3") -> Stage2Match:
@@ -237,7 +273,6 @@ def test_plan_shows_stage_two_as_two_quantized_hops_with_qgz(capsys):
         (dict(osp=1.0), ValueError, "osp must be None or a fraction in (0, 1)"),
         (dict(osp=0.5, osp_lgp="yes"), ValueError, "osp_lgp must be True or False"),
         (dict(osp=0.5, osp_split="largest"), ValueError, "osp_split must be one of"),
-        (dict(osp=0.5, osp_split="magnitude"), NotImplementedError, "magnitude"),
     ],
 )
 def test_osp_config_errors_name_the_field(kwargs, error, words):

@@ -101,18 +101,21 @@ def _only_live_state() -> DistributedState | None:
 
 
 def compile_distributed(gm, example_inputs, config: Config, state: DistributedState | None):
-    compiled = _compile_distributed(gm, example_inputs, config, state)
     if state is None or state.osp is None:
-        return compiled
-    return _synchronizing_outside_training(compiled, state)
+        return _compile_distributed(gm, example_inputs, config, state)
+    return _osp_compiled(gm, example_inputs, config, state)
 
 
-def _synchronizing_outside_training(compiled, state: DistributedState):
-    """`compiled`, completing OSP's stage 2 before any forward that is not a
-    training step (eval mode, or no autograd): evaluation sees the
-    synchronous-equivalent parameters. A training forward issues the second
-    hop of the quantized stage-2 reductions (qgZ), which then runs while it
-    computes."""
+def _osp_compiled(gm, example_inputs, config: Config, state: DistributedState):
+    """The compiled graph of a model with OSP. Before any forward that is not a
+    training step (eval mode, or no autograd) it completes stage 2, so
+    evaluation sees the synchronous-equivalent parameters; a training forward
+    issues the second hop of the quantized stage-2 reductions (qgZ), which
+    then runs while it computes. When the stage-2 choice changes
+    (`osp_split="magnitude"`, after the measuring step) the graph is compiled
+    again from a copy of dynamo's graph, at the same call on every rank."""
+    pristine = _copy_graph_module(gm) if config.osp_split == "magnitude" else None
+    current = [_compile_distributed(gm, example_inputs, config, state), state.osp.plan]
 
     def run(*args):
         model = state.model_ref()
@@ -120,9 +123,15 @@ def _synchronizing_outside_training(compiled, state: DistributedState):
             state.osp.synchronize()
         else:
             state.osp.advance()
-        return compiled(*args)
+        if current[1] != state.osp.plan:
+            fresh = _copy_graph_module(pristine)
+            current[:] = [
+                _compile_distributed(fresh, example_inputs, config, state),
+                state.osp.plan,
+            ]
+        return current[0](*args)
 
-    run._boxed_call = getattr(compiled, "_boxed_call", False)
+    run._boxed_call = getattr(current[0], "_boxed_call", False)
     return run
 
 

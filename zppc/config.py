@@ -97,7 +97,10 @@ class Config:
 
     osp_split: str = "last"
     """How `osp` picks stage 2: "last" (the gradients produced last in
-    backward). "magnitude" is part of the contract, not built yet."""
+    backward, whose reduction would sit exposed after it) or "magnitude" (the
+    gradients of smallest root-mean-square at the first step, which a step
+    late moves least: the first step runs synchronously and measures them,
+    then the graphs are compiled again with that stage 2)."""
 
     node_size: int | None = None
     """Ranks per node. None: the last dim of `mesh` if given, else the
@@ -261,8 +264,6 @@ class Config:
                 "qgz_error_feedback needs qgz set and quantizing (qgz_quantize=True), "
                 f"got qgz={self.qgz!r}, qgz_quantize={self.qgz_quantize}"
             )
-        if self.osp is not None and self.osp_split == "magnitude":
-            raise NotImplementedError("zppc: osp_split='magnitude' is not implemented yet")
         if self.strategy == "rtp" and (self.hpz or self.qgz):
             raise ValueError("strategy='rtp' does not combine with hpz or qgz")
 

@@ -267,6 +267,7 @@ def distribute(model: nn.Module, config: Config | None = None) -> nn.Module:
         state.osp = OspState(
             index=state.grad_sync.index,
             lgp=config.osp_lgp,
+            split=config.osp_split,
             group_name=side_world_group(topology, config.timeout_s),
             model_state=weakref.ref(state),
             two_hops=two_hops_for(config, topology, state.qgz_residuals),
