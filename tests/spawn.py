@@ -8,7 +8,8 @@ Ranks fork from a forkserver that has already imported torch, dynamo, Inductor,
 zppc and the test helpers: a spawned interpreter spends about 4 s of CPU on
 those imports, and the suites start several hundred ranks on two cores. Each
 rank still gets a fresh process (nothing a test leaves behind reaches the
-next) and the environment of the test that started it.
+next) and the environment of the test that started it. `ZPPC_TEST_START=spawn`
+starts every rank as a new interpreter instead, to rule the forkserver out.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ _context = None
 def _rank_context():
     global _context
     if _context is None:
-        _context = mp.get_context("forkserver")
+        _context = mp.get_context(os.environ.get("ZPPC_TEST_START", "forkserver"))
         _context.set_forkserver_preload(PRELOAD)
     return _context
 
