@@ -112,9 +112,8 @@ def build(name: str, model, args):
 
     if args.bucket_mb is not None:
         fields = {**fields, "bucket_bytes": int(args.bucket_mb * 2**20)}
-    config = zppc.Config(
-        **fields, lowering=args.lowering, node_size=int(os.environ["LOCAL_WORLD_SIZE"])
-    )
+    node_size = getattr(args, "node_size", None) or int(os.environ["LOCAL_WORLD_SIZE"])
+    config = zppc.Config(**fields, lowering=args.lowering, node_size=node_size)
     zppc.distribute(model, config)
     return torch.compile(model, backend="zppc"), torch.optim.AdamW(model.parameters(), lr=args.lr)
 

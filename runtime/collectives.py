@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from zppc.runtime.failures import naming_failures
+from zppc.runtime.failures import waiting_on
 from zppc.runtime.ledger import record
 from zppc.runtime.topology import group_ranks, group_size
 
@@ -67,7 +67,7 @@ def all_gather_flat(shard: Tensor, group_name: str) -> Tensor:
     """Concatenation of every rank's 1-D shard, in group-rank order."""
     group = _GROUP_FROM_NAME(group_name)
     out = shard.new_empty(shard.numel() * group.size())
-    with naming_failures(f"an eager all-gather over ranks {group_ranks(group_name)}"):
+    with waiting_on(f"an eager all-gather over ranks {group_ranks(group_name)}"):
         dist.all_gather_single(out, shard.contiguous(), group=group)
     record("all_gather", group_name, bytes_per_peer("all_gather", shard, group.size()))
     return out
@@ -77,7 +77,7 @@ def reduce_scatter_flat(flat: Tensor, group_name: str) -> Tensor:
     """Sum over ranks of `flat`, scattered: this rank gets its 1/world slice."""
     group = _GROUP_FROM_NAME(group_name)
     out = flat.new_empty(flat.numel() // group.size())
-    with naming_failures(f"an eager reduce-scatter over ranks {group_ranks(group_name)}"):
+    with waiting_on(f"an eager reduce-scatter over ranks {group_ranks(group_name)}"):
         dist.reduce_scatter_single(out, flat.contiguous(), op=dist.ReduceOp.SUM, group=group)
     record("reduce_scatter", group_name, bytes_per_peer("reduce_scatter", flat, group.size()))
     return out
@@ -92,7 +92,7 @@ def broadcast_from_first(tensors: list[Tensor], group_name: str) -> None:
         by_dtype.setdefault(t.dtype, []).append(t)
     for same in by_dtype.values():
         flat = torch.cat([t.detach().reshape(-1) for t in same])
-        with naming_failures(f"the buffer broadcast over ranks {group_ranks(group_name)}"):
+        with waiting_on(f"the buffer broadcast over ranks {group_ranks(group_name)}"):
             dist.broadcast(flat, group_src=0, group=group)
         record("broadcast", group_name, bytes_per_peer("broadcast", flat, group.size()))
         # Through `.data`: a version bump would fail the backward of an op that
@@ -105,7 +105,7 @@ def all_gather_ints(out: Tensor, mine: Tensor, group_name: str) -> None:
     """Every rank's small integer tensor `mine`, concatenated into `out` (control
     decisions all ranks must take together)."""
     group = _GROUP_FROM_NAME(group_name)
-    with naming_failures(f"the gradient check over ranks {group_ranks(group_name)}"):
+    with waiting_on(f"the gradient check over ranks {group_ranks(group_name)}"):
         dist.all_gather_single(out, mine, group=group)
     record("all_gather", group_name, bytes_per_peer("all_gather", mine, group.size()))
 
@@ -113,7 +113,7 @@ def all_gather_ints(out: Tensor, mine: Tensor, group_name: str) -> None:
 def all_reduce_sum(t: Tensor, group_name: str) -> Tensor:
     group = _GROUP_FROM_NAME(group_name)
     out = t.contiguous().clone()
-    with naming_failures(f"an eager all-reduce over ranks {group_ranks(group_name)}"):
+    with waiting_on(f"an eager all-reduce over ranks {group_ranks(group_name)}"):
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     record("all_reduce", group_name, bytes_per_peer("all_reduce", t, group.size()))
     return out

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch.distributed as dist
+from torch.autograd.profiler import record_function
 
 # Words in the errors gloo and NCCL raise when a peer is gone or late (their
 # exceptions are plain RuntimeErrors when raised from a functional collective).
@@ -57,3 +58,20 @@ def boxed_naming_failures(compiled, what: str):
 
     run._boxed_call = True
     return run
+
+
+@contextmanager
+def waiting_on(what: str) -> Iterator[None]:
+    """A block in which this thread waits for collectives (a synchronous eager
+    one, or the works of asynchronous ones): a failure is named as `what`, and
+    a profiler trace shows the block as `zppc::wait`, time this thread spent
+    not computing (benchmarks/trace.py reads it)."""
+    with naming_failures(what), record_function("zppc::wait"):
+        yield
+
+
+def wait_for(works, what: str) -> None:
+    """Wait for asynchronous eager collectives' `works` (see `waiting_on`)."""
+    with waiting_on(what):
+        for work in works:
+            work.wait()

@@ -47,7 +47,7 @@ from torch import Tensor
 from zppc.kernels import qgz as qgz_kernels
 from zppc.kernels.quant import FORMAT_BITS, PayloadLayout
 from zppc.runtime.collectives import bytes_per_peer
-from zppc.runtime.failures import naming_failures
+from zppc.runtime.failures import wait_for, waiting_on
 from zppc.runtime.ledger import record
 from zppc.runtime.topology import group_ranks, side_node_groups
 
@@ -69,9 +69,9 @@ class Reduction:
     def mean(self) -> Tensor:
         """This rank's part of the bucket's global mean, in fp32 (waits once)."""
         if self._mean is None:
-            where = f"OSP's stage-2 reduction over ranks {group_ranks(self.group_name)}"
-            with naming_failures(where):
-                self.work.wait()
+            wait_for(
+                [self.work], f"OSP's stage-2 reduction over ranks {group_ranks(self.group_name)}"
+            )
             group = _GROUP_FROM_NAME(self.group_name)
             total = self.total
             if self.mode == "zero1":
@@ -198,8 +198,7 @@ class TwoHopReduction:
         self._pending = None
         if work is None:
             return received
-        with naming_failures(f"OSP's stage-2 qgZ all-to-all over ranks {group_ranks(group_name)}"):
-            work.wait()
+        wait_for([work], f"OSP's stage-2 qgZ all-to-all over ranks {group_ranks(group_name)}")
         if quant is None:
             return qgz_kernels.exact_sum(received, peers)
         return qgz_kernels.dequantize_sum(received, peers, numel, **quant)
@@ -208,7 +207,7 @@ class TwoHopReduction:
         """ddp: every rank's shard of the mean, back in the bucket's order of whole gradients."""
         group = _GROUP_FROM_NAME(self.world_group)
         rows = shard.new_empty(group.size() * shard.numel())
-        with naming_failures(f"OSP's stage-2 gather over ranks {group_ranks(self.world_group)}"):
+        with waiting_on(f"OSP's stage-2 gather over ranks {group_ranks(self.world_group)}"):
             dist.all_gather_single(rows, shard, group=group)
         record("all_gather", self.world_group, bytes_per_peer("all_gather", shard, group.size()))
         rows = rows.view(group.size(), -1)
@@ -325,7 +324,8 @@ class OspState:
             [state.shard(fqn).grad.detach().float().pow(2).sum() for fqn in names]
         )
         group = _GROUP_FROM_NAME(state.groups.world)
-        dist.all_reduce(squares, group=group)
+        with waiting_on(f"OSP's gradient measurement over ranks {group_ranks(state.groups.world)}"):
+            dist.all_reduce(squares, group=group)
         self.magnitudes = {}
         for fqn, total in zip(names, squares.tolist(), strict=True):
             spec = state.specs[fqn]

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 from zppc.kernels import quant
-from zppc.runtime.failures import naming_failures
+from zppc.runtime.failures import naming_failures, wait_for
 from zppc.runtime.ledger import record_ring
 from zppc.runtime.topology import group_ranks
 
@@ -71,9 +71,7 @@ class Ring:
         return works
 
     def wait(self, works: list) -> None:
-        with naming_failures(f"an RTP ring step over ranks {group_ranks(self.group_name)}"):
-            for work in works:
-                work.wait()
+        wait_for(works, f"an RTP ring step over ranks {group_ranks(self.group_name)}")
 
 
 def _identity(tensor: Tensor) -> Tensor:

@@ -1,0 +1,211 @@
+"""A profiler trace of training steps, and how much of the communication in it
+ran while the main thread computed: evidence, not an assumption, that
+asynchronous collectives overlap compute (gloo on CPU, NCCL on GPU).
+
+    torchrun --nproc-per-node 4 benchmarks/trace.py --config zppc-zero3 --node-size 2
+    torchrun --nproc-per-node 4 benchmarks/trace.py --config zppc-osp --node-size 2
+
+Rank 0 profiles two steps after the warm-up (torch.profiler, CPU activities:
+gloo runs each collective on a worker thread of its own, recorded as
+`gloo:<kind>`), writes the Chrome trace (Perfetto opens the .json.gz) and
+prints, per step phase, the collectives' busy time and the part of it during
+which the main thread computed (was in no wait), plus each collective
+still in flight when the backward that issued it ended (OSP's stage 2): how
+much of it ran under the next step's optimizer and forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile, record_function
+from worker import CONFIGS, build
+
+PHASES = ("forward", "backward", "optimizer")
+
+
+def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def length(intervals) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def overlap(xs, ys) -> float:
+    """Total length of the intersection of two unions of intervals."""
+    total, j = 0.0, 0
+    for a, b in xs:
+        while j < len(ys) and ys[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(ys) and ys[k][0] < b:
+            total += max(0.0, min(b, ys[k][1]) - max(a, ys[k][0]))
+            k += 1
+    return total
+
+
+def clip(intervals, lo: float, hi: float):
+    return [(max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi]
+
+
+def clip_all(intervals, windows):
+    return union([piece for lo, hi in windows for piece in clip(intervals, lo, hi)])
+
+
+def analyse(events: list[dict]) -> dict:
+    """Step phases, waits and collectives (microseconds) read off a Chrome trace."""
+    spans = [e for e in events if e.get("ph") == "X"]
+    marks = {
+        e["name"]: (e["ts"], e["ts"] + e["dur"]) for e in spans if e["name"].startswith("step ")
+    }
+    main = next(e["tid"] for e in spans if e["name"].startswith("step "))
+    comms = [
+        (e["ts"], e["ts"] + e["dur"], e["name"]) for e in spans if e["name"].startswith("gloo:")
+    ]
+    # The main thread computes (operators, Python) whenever it is not waiting
+    # for a collective: in a functional collective's wait_tensor or in zppc's
+    # own eager waits (`zppc::wait`).
+    waits = union(
+        [(e["ts"], e["ts"] + e["dur"]) for e in spans if e["tid"] == main and "wait" in e["name"]]
+    )
+    busy = union([(a, b) for a, b, _ in comms])
+
+    def hidden(intervals) -> float:
+        return length(intervals) - overlap(intervals, waits)
+
+    phases = {}
+    for name, (lo, hi) in sorted(marks.items(), key=lambda kv: kv[1]):
+        in_phase = clip(busy, lo, hi)
+        phases[name] = {
+            "seconds": (hi - lo) / 1e6,
+            "waiting_seconds": length(clip(waits, lo, hi)) / 1e6,
+            "communication_seconds": length(in_phase) / 1e6,
+            "hidden_seconds": hidden(in_phase) / 1e6,
+        }
+    # Issued by the first step's backward and still in flight when it ended.
+    lo, hi = marks["step 1 backward"]
+    carried = [(a, b, name) for a, b, name in comms if lo <= a < hi < b]
+    later = {p: marks[f"step 2 {p}"] for p in ("forward", "backward")}
+    later["optimizer"] = marks["step 1 optimizer"]
+    within = clip_all(busy, list(marks.values()))
+    return {
+        "phases": phases,
+        "communication_seconds": length(within) / 1e6,
+        "hidden_seconds": hidden(within) / 1e6,
+        "carried_past_backward": [
+            {
+                "collective": name,
+                "seconds": (b - a) / 1e6,
+                "after_backward_seconds": (b - hi) / 1e6,
+                "under": {p: overlap([(a, b)], [span]) / 1e6 for p, span in later.items()},
+            }
+            for a, b, name in carried
+        ],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--config", default="zppc-zero3", choices=sorted(CONFIGS))
+    p.add_argument("--preset", default="gpt-small")
+    p.add_argument("--node-size", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--block", type=int, default=128)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lowering", default="eager", choices=["eager", "inductor"])
+    p.add_argument("--bucket-mb", type=float, default=None)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+
+    from zppc.data import random_windows, stdlib_corpus
+    from zppc.models import GPT, PRESETS
+
+    torch.manual_seed(0)
+    model = GPT(PRESETS[args.preset])
+    step, opt = build(args.config, model, args)
+    batches = random_windows(stdlib_corpus(4 << 20), args.batch_size, args.block, seed=1000 + rank)
+
+    def train(i: int) -> None:
+        x, y = next(batches)
+        with record_function(f"step {i} forward"):
+            loss = step(x, y)
+        with record_function(f"step {i} backward"):
+            loss.backward()
+        with record_function(f"step {i} optimizer"):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    for i in range(args.warmup):
+        train(-i)
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
+        for i in (1, 2):
+            train(i)
+    dist.barrier()
+    if rank == 0:
+        args.out.mkdir(parents=True, exist_ok=True)
+        raw = args.out / f"trace_{args.config}.json"
+        prof.export_chrome_trace(str(raw))
+        events = json.loads(raw.read_text())["traceEvents"]
+        with gzip.open(f"{raw}.gz", "wt") as f:
+            json.dump({"traceEvents": events}, f)
+        raw.unlink()
+        report(args, analyse(events), f"{raw}.gz")
+    dist.destroy_process_group()
+
+
+def report(args, result: dict, path: str) -> None:
+    world = int(os.environ["WORLD_SIZE"])
+    print(
+        f"\n{args.config}, {args.preset}, {world} ranks, node size {args.node_size}, "
+        f"{args.lowering} lowering; rank 0, steps 1-2 after {args.warmup} warm-up steps; "
+        "communication = time some gloo collective was running; hidden = the part of it "
+        "during which the main thread computed (was in no wait)\n"
+    )
+    print("| phase | seconds | waiting s | communication s | hidden s | hidden share |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, ph in result["phases"].items():
+        comm = ph["communication_seconds"]
+        share = ph["hidden_seconds"] / comm if comm else 0
+        print(
+            f"| {name} | {ph['seconds']:.3f} | {ph['waiting_seconds']:.3f} | {comm:.3f} "
+            f"| {ph['hidden_seconds']:.3f} | {share:.0%} |"
+        )
+    total, hidden = result["communication_seconds"], result["hidden_seconds"]
+    print(f"| all | | | {total:.3f} | {hidden:.3f} | {hidden / total if total else 0:.0%} |")
+    carried = result["carried_past_backward"]
+    print(f"\ncollectives issued by step 1's backward and still running after it: {len(carried)}")
+    for c in carried:
+        under = ", ".join(f"{p} {s:.3f} s" for p, s in c["under"].items())
+        print(
+            f"  {c['collective']}: {c['seconds']:.3f} s, {c['after_backward_seconds']:.3f} s "
+            f"after the backward ended; under step 1's optimizer / step 2's: {under}"
+        )
+    print(f"\nwrote {path}")
+    json_path = Path(path).with_name(f"trace_{args.config}_summary.json")
+    json_path.write_text(
+        json.dumps({"args": vars(args) | {"out": str(args.out)}, **result}, indent=1)
+    )
+
+
+if __name__ == "__main__":
+    main()
