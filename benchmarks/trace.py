@@ -4,6 +4,12 @@ asynchronous collectives overlap compute (gloo on CPU, NCCL on GPU).
 
     torchrun --nproc-per-node 4 benchmarks/trace.py --config zppc-zero3 --node-size 2
     torchrun --nproc-per-node 4 benchmarks/trace.py --config zppc-osp --node-size 2
+    python benchmarks/trace.py --config zppc-osp --inter-bw 100mbit    # 2 nodes x 2, root
+
+With `--inter-bw` the script runs itself on the emulated cluster of
+benchmarks/cluster.py (`--nodes` x `--ranks-per-node`, the nodes joined by a
+link shaped to that rate), so communication takes the time a slow network
+gives it.
 
 Rank 0 profiles two steps after the warm-up (torch.profiler, CPU activities:
 gloo runs each collective on a worker thread of its own, recorded as
@@ -20,14 +26,13 @@ import argparse
 import gzip
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 from worker import CONFIGS, build
-
-PHASES = ("forward", "backward", "optimizer")
 
 
 def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -131,7 +136,13 @@ def main() -> None:
     p.add_argument("--lowering", default="eager", choices=["eager", "inductor"])
     p.add_argument("--bucket-mb", type=float, default=None)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--inter-bw", default=None, help="run on the emulated cluster at this rate")
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--ranks-per-node", type=int, default=2)
+    p.add_argument("--tag", default="", help="added to the output file names")
     args = p.parse_args()
+    if args.inter_bw is not None:
+        sys.exit(on_emulated_cluster(args))
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -163,7 +174,7 @@ def main() -> None:
     dist.barrier()
     if rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
-        raw = args.out / f"trace_{args.config}.json"
+        raw = args.out / f"trace_{args.config}{args.tag}.json"
         prof.export_chrome_trace(str(raw))
         events = json.loads(raw.read_text())["traceEvents"]
         with gzip.open(f"{raw}.gz", "wt") as f:
@@ -171,6 +182,35 @@ def main() -> None:
         raw.unlink()
         report(args, analyse(events), f"{raw}.gz")
     dist.destroy_process_group()
+
+
+def on_emulated_cluster(args) -> int:
+    """This script on `args.nodes` namespaces joined by a link of `args.inter_bw`."""
+    from cluster import EmulatedCluster, require_privileges
+
+    require_privileges()
+    script = [
+        str(Path(__file__).resolve()),
+        f"--config={args.config}",
+        f"--preset={args.preset}",
+        f"--warmup={args.warmup}",
+        f"--batch-size={args.batch_size}",
+        f"--block={args.block}",
+        f"--lr={args.lr}",
+        f"--lowering={args.lowering}",
+        f"--out={args.out.resolve()}",
+        f"--node-size={args.ranks_per_node}",
+        f"--tag=_{args.inter_bw}{args.tag}",
+        *([f"--bucket-mb={args.bucket_mb}"] if args.bucket_mb is not None else []),
+    ]
+    with EmulatedCluster(nodes=args.nodes, rate=args.inter_bw) as cluster:
+        measured = cluster.measure_link()
+        print(f"link {args.inter_bw}: measured {measured / 1e6:,.1f} Mbit/s", flush=True)
+        outputs = cluster.launch(
+            args.ranks_per_node, script, env={"PYTHONUNBUFFERED": "1"}, timeout=1800
+        )
+    print("\n".join(line for line in outputs[0].splitlines() if not line.startswith(("W", "[W"))))
+    return 0
 
 
 def report(args, result: dict, path: str) -> None:
@@ -201,7 +241,7 @@ def report(args, result: dict, path: str) -> None:
             f"after the backward ended; under step 1's optimizer / step 2's: {under}"
         )
     print(f"\nwrote {path}")
-    json_path = Path(path).with_name(f"trace_{args.config}_summary.json")
+    json_path = Path(path).with_name(f"trace_{args.config}{args.tag}_summary.json")
     json_path.write_text(
         json.dumps({"args": vars(args) | {"out": str(args.out)}, **result}, indent=1)
     )
