@@ -65,7 +65,7 @@ def waiting_on(what: str) -> Iterator[None]:
     """A block in which this thread waits for collectives (a synchronous eager
     one, or the works of asynchronous ones): a failure is named as `what`, and
     a profiler trace shows the block as `zppc::wait`, time this thread spent
-    not computing (benchmarks/trace.py reads it)."""
+    not computing (benchmarks/step_trace.py reads it)."""
     with naming_failures(what), record_function("zppc::wait"):
         yield
 

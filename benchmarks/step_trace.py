@@ -2,9 +2,9 @@
 ran while the main thread computed: evidence, not an assumption, that
 asynchronous collectives overlap compute (gloo on CPU, NCCL on GPU).
 
-    torchrun --nproc-per-node 4 benchmarks/trace.py --config zppc-zero3 --node-size 2
-    torchrun --nproc-per-node 4 benchmarks/trace.py --config zppc-osp --node-size 2
-    python benchmarks/trace.py --config zppc-osp --inter-bw 100mbit    # 2 nodes x 2, root
+    torchrun --nproc-per-node 4 benchmarks/step_trace.py --config zppc-zero3 --node-size 2
+    torchrun --nproc-per-node 4 benchmarks/step_trace.py --config zppc-osp --node-size 2
+    python benchmarks/step_trace.py --config zppc-osp --inter-bw 100mbit    # 2 nodes x 2, root
 
 With `--inter-bw` the script runs itself on the emulated cluster of
 benchmarks/cluster.py (`--nodes` x `--ranks-per-node`, the nodes joined by a

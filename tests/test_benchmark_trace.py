@@ -1,0 +1,50 @@
+"""benchmarks/step_trace.py's reading of a profiler trace, on a hand-made one:
+which communication counts as hidden, and which collectives outlive the
+backward that issued them."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+step_trace = pytest.importorskip("step_trace")
+
+MAIN, GLOO = 1, 2
+
+
+def span(name: str, start: float, end: float, tid: int = MAIN) -> dict:
+    return {"ph": "X", "name": name, "ts": start, "dur": end - start, "tid": tid}
+
+
+def test_hidden_is_communication_while_the_main_thread_waits_for_nothing():
+    events = [
+        span("step 1 forward", 0, 100),
+        span("step 1 backward", 100, 300),
+        span("step 1 optimizer", 300, 350),
+        span("step 2 forward", 350, 450),
+        span("step 2 backward", 450, 650),
+        span("step 2 optimizer", 650, 700),
+        # A gather for 0-40 waited for over 10-40: 10 of its 40 hidden.
+        span("gloo:all_gather", 0, 40, GLOO),
+        span("_c10d_functional::wait_tensor", 10, 40),
+        # A reduction issued at 250 outlives the backward: 50 under the
+        # optimizer step, 30 under the next forward; a zppc wait covers 360-380.
+        span("gloo:all_reduce", 250, 380, GLOO),
+        span("zppc::wait", 360, 380),
+        span("aten::mm", 120, 130),  # operators count as compute, like Python time
+    ]
+    result = step_trace.analyse(events)
+    forward = result["phases"]["step 1 forward"]
+    assert forward["communication_seconds"] == pytest.approx(40e-6)
+    assert forward["waiting_seconds"] == pytest.approx(30e-6)
+    assert forward["hidden_seconds"] == pytest.approx(10e-6)
+    assert result["phases"]["step 1 backward"]["hidden_seconds"] == pytest.approx(50e-6)
+    assert result["communication_seconds"] == pytest.approx(170e-6)
+    assert result["hidden_seconds"] == pytest.approx((10 + 130 - 20) * 1e-6)
+    (carried,) = result["carried_past_backward"]
+    assert carried["collective"] == "gloo:all_reduce"
+    assert carried["after_backward_seconds"] == pytest.approx(80e-6)
+    assert carried["under"] == pytest.approx(
+        {"optimizer": 50e-6, "forward": 30e-6, "backward": 0.0}
+    )
