@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch import Tensor
 from zppc.kernels import qgz as qgz_kernels
 from zppc.kernels.quant import FORMAT_BITS, PayloadLayout
-from zppc.runtime.collectives import bytes_per_peer
+from zppc.runtime.collectives import all_gather_flat, bytes_per_peer
 from zppc.runtime.failures import wait_for, waiting_on
 from zppc.runtime.ledger import record
 from zppc.runtime.topology import group_ranks, side_node_groups
@@ -124,7 +124,6 @@ class TwoHopReduction:
     second."""
 
     hops: TwoHops
-    mode: str
     key: str
     """The bucket's parameter names: its error-feedback residuals' key (the same on every rank)."""
     world_group: str
@@ -205,12 +204,7 @@ class TwoHopReduction:
 
     def _gathered(self, shard: Tensor) -> Tensor:
         """ddp: every rank's shard of the mean, back in the bucket's order of whole gradients."""
-        group = _GROUP_FROM_NAME(self.world_group)
-        rows = shard.new_empty(group.size() * shard.numel())
-        with waiting_on(f"OSP's stage-2 gather over ranks {group_ranks(self.world_group)}"):
-            dist.all_gather_single(rows, shard, group=group)
-        record("all_gather", self.world_group, bytes_per_peer("all_gather", shard, group.size()))
-        rows = rows.view(group.size(), -1)
+        rows = all_gather_flat(shard, self.world_group).view(-1, shard.numel())
         pieces, column = [], 0
         for numel, columns in self.ddp_layout:
             pieces.append(rows[:, column : column + columns].reshape(-1)[:numel])
@@ -564,7 +558,7 @@ def _issue_two_hops(osp, grads, fqns, shard_numels, mode, send, world) -> TwoHop
         columns = _ddp_columns(grads, world)
         layout = [(g.numel(), n) for g, n in zip(grads, columns, strict=True)]
         send = _rank_major(grads, columns, world)
-    reduction = TwoHopReduction(osp.two_hops, mode, fqns, osp.group_name, layout)
+    reduction = TwoHopReduction(osp.two_hops, fqns, osp.group_name, layout)
     # Divided first, as the qgz pass does: the two sums are then the mean.
     reduction.issue(send.view(world, -1).float() / world)
     osp.first_hops.append(reduction)
