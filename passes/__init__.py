@@ -9,8 +9,11 @@ pass, and records a snapshot and the op-count difference of every pass for
 from __future__ import annotations
 
 import logging
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +35,27 @@ PASS_NAMES = (
 
 log = logging.getLogger("zppc.passes")
 
+_PLANNING = ContextVar("zppc_planning", default=False)
+
+
+@contextmanager
+def planning() -> Iterator[None]:
+    """Compiles inside this block serve a plan (`zppc schedule`) and nothing
+    else: passes keep no per-pass code (unless ZPPC_DUMP_DIR asks for it), and
+    the eager lowering returns empty outputs instead of executing the graph.
+    On meta tensors execution computes nothing, and at 40 layers the graphs
+    hold tens of thousands of ops whose code generation and op-by-op dispatch
+    made most of a plan's time."""
+    token = _PLANNING.set(True)
+    try:
+        yield
+    finally:
+        _PLANNING.reset(token)
+
+
+def is_planning() -> bool:
+    return _PLANNING.get()
+
 
 @dataclass(frozen=True)
 class GraphPass:
@@ -49,7 +73,8 @@ class PassRecord:
     name: str
     added: dict[str, int]
     removed: dict[str, int]
-    code: str
+    code: str | None
+    """The graph's code after the pass; None in a plan (see `planning`)."""
     seconds: float = 0.0
     """Wall time of the pass (compile-time budget: passes must stay linear)."""
 
@@ -137,7 +162,8 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         log.addHandler(logging.StreamHandler())
         log.setLevel(logging.INFO)
 
-    ctx.records.append(PassRecord("input", {}, {}, gm.code))
+    snapshots = not is_planning() or bool(os.environ.get("ZPPC_DUMP_DIR"))
+    ctx.records.append(PassRecord("input", {}, {}, gm.code if snapshots else None))
     for p in build_passes(ctx.config):
         if ctx.graph_kind not in p.graphs:
             continue
@@ -150,10 +176,12 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             # looks dead to FX, and removing it loses the buffer update.
             gm.graph.eliminate_dead_code()
         lint(gm, ctx.graph_kind)
-        gm.recompile()
+        if snapshots:
+            gm.recompile()
         seconds = time.perf_counter() - start
         after = op_census(gm.graph)
-        record = PassRecord(p.name, dict(after - before), dict(before - after), gm.code, seconds)
+        code = gm.code if snapshots else None
+        record = PassRecord(p.name, dict(after - before), dict(before - after), code, seconds)
         ctx.records.append(record)
         if ctx.config.log_passes:
             log.info(
@@ -164,4 +192,6 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 record.added,
                 record.removed,
             )
+    if not snapshots:
+        gm.recompile()
     return gm

@@ -170,3 +170,59 @@ def test_dynamo_graph_keeps_in_place_updates_nobody_reads():
     assert in_place_updates(gm.graph), gm.code
     gm = run_passes(gm, PassContext(zppc.Config(), "dynamo"))
     assert in_place_updates(gm.graph), gm.code
+
+
+def _quantize_like(x):
+    """Fresh values, views of inputs and of intermediates, a dtype view."""
+    rows = x.view(2, -1)
+    scale = rows.abs().amax(dim=1, keepdim=True)
+    q = (rows / scale).to(torch.int8)
+    return torch.cat([scale.view(torch.uint8).view(2, -1), q.view(torch.uint8)[:, 1:]], dim=1)
+
+
+def test_inline_from_a_cached_trace_gives_the_values_running_the_ops_would():
+    """`GraphBuilder.inline` fills a reused trace's copies from the trace's
+    values (fresh storage, or the base's storage for a view) instead of
+    running every op again: the metadata and the aliasing must be exactly
+    those of running the ops."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._pytree import tree_map_only
+    from zppc.passes import graph_utils
+    from zppc.passes.graph_utils import GraphBuilder, node_value
+
+    with FakeTensorMode() as mode:
+        # The same shape and strides: one a fresh tensor, one a view at an offset.
+        fresh, offset_view = torch.empty(24), torch.empty(48)[24:]
+    gm = make_fx(lambda a, b: (a, b))(fresh, offset_view)
+    inputs = list(gm.graph.find_nodes(op="placeholder"))
+    for node, fake in zip(inputs, (fresh, offset_view), strict=True):
+        node.meta["val"] = fake
+    builder = GraphBuilder(gm, next(iter(gm.graph.find_nodes(op="output"))))
+    builder.inline(_quantize_like, inputs[0])
+    traces = len(graph_utils._TRACES)
+    builder.inline(_quantize_like, inputs[1])
+    assert len(graph_utils._TRACES) == traces  # the second copy came from the cache
+
+    def storage(node):
+        return StorageWeakRef(node_value(node).untyped_storage())
+
+    copies = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert len(copies) > 10
+    for node in copies:
+        val = node_value(node)
+        with mode:
+            expected = node.target(*tree_map_only(torch.fx.Node, node_value, node.args))
+        assert (val.shape, val.stride(), val.dtype, val.storage_offset()) == (
+            expected.shape,
+            expected.stride(),
+            expected.dtype,
+            expected.storage_offset(),
+        ), node.format_node()
+        is_view = node.target._schema.returns[0].alias_info is not None
+        aliases = [i for i in node.all_input_nodes if storage(i) == storage(node)]
+        assert bool(aliases) == is_view, node.format_node()
+    # The second copy's first view is of the offset view's storage, at its offset.
+    second_rows = [n for n in copies if inputs[1] in n.all_input_nodes][0]
+    assert storage(second_rows) == storage(inputs[1])
+    assert node_value(second_rows).storage_offset() == 24

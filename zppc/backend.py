@@ -21,7 +21,7 @@ import zppc.ir  # noqa: F401
 from zppc.config import Config
 from zppc.distribute import DistributedState, live_states, state_of_shard
 from zppc.inspect import dump_compile
-from zppc.passes import PassContext, run_passes
+from zppc.passes import PassContext, is_planning, run_passes
 from zppc.passes.partition import zppc_partition
 from zppc.passes.zero import find_collectives
 from zppc.runtime.failures import boxed_naming_failures
@@ -169,6 +169,8 @@ def _compile_distributed(gm, example_inputs, config: Config, state: DistributedS
         from torch._functorch.aot_autograd import make_boxed_func
 
         def boxed(graph, inputs, **kw):
+            if is_planning():
+                return make_boxed_func(partial(_empty_outputs, graph))
             return make_boxed_func(graph.forward)
 
         fw = passes_then(boxed)
@@ -217,6 +219,20 @@ def _compile_distributed(gm, example_inputs, config: Config, state: DistributedS
         functorch_config.patch(enable_autograd_cache=False, donated_buffer=donation_is_sound),
     ):
         return compile_fx(gm, example_inputs, inner_compile=passes_then(inner_compile))
+
+
+def _empty_outputs(gm: fx.GraphModule, *args):
+    """What a plan's graph returns instead of running: empty tensors of its
+    outputs' traced metadata (see `zppc.passes.planning`)."""
+    (outputs,) = gm.graph.find_nodes(op="output")[0].args
+
+    def empty(out):
+        val = out.meta.get("val") if isinstance(out, fx.Node) else out
+        if not isinstance(val, torch.Tensor):
+            return val
+        return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
+
+    return tuple(map(empty, outputs))
 
 
 def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:

@@ -111,6 +111,7 @@ def _plan(args: argparse.Namespace) -> dict:
         parse_time,
         simulate,
     )
+    from zppc.passes import planning
     from zppc.schedule import graph_schedule
 
     if args.node_size > args.world_size:
@@ -159,7 +160,8 @@ def _plan(args: argparse.Namespace) -> dict:
         step = torch.compile(model, backend="zppc")
         # The loss is taken from the output outside the graph (cross-entropy has
         # no autograd formula on meta); the collectives do not depend on it.
-        _first_tensor(step(*inputs)).float().square().mean().backward()
+        with planning():
+            _first_tensor(step(*inputs)).float().square().mean().backward()
         graphs = [
             (kind, record.final[kind], graph_schedule(record.final[kind], kind, args.rank))
             for record in zppc.inspect(step).compiles

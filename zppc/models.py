@@ -37,6 +37,10 @@ PRESETS = {
     # The ZeRO++ paper's 18B model (40 layers, hidden 6144, 32 heads): planned by
     # `zppc schedule` on meta tensors, never materialized.
     "gpt-18b": GPTConfig(vocab_size=50304, block_size=1024, n_layer=40, n_head=32, n_embd=6144),
+    # The paper's largest model, 138B parameters. Its table's exact shape was not
+    # available to us: GPT-3's width (12288, 96 heads) at the depth that gives
+    # 138B (76 layers: 138.3B), planned on meta tensors like gpt-18b.
+    "gpt-138b": GPTConfig(vocab_size=50304, block_size=1024, n_layer=76, n_head=96, n_embd=12288),
 }
 
 
