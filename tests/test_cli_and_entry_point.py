@@ -131,9 +131,50 @@ def test_schedule_rtp_plans_the_ring(capsys):
     assert quantized[0]["unquantized_bytes_per_peer"] == 15 * wte_shard
 
 
+def _plan_json(capsys, *flags: str) -> dict:
+    base = ["schedule", "gpt-tiny", "--world-size", "16", "--node-size", "4", "--format", "json"]
+    assert main([*base, *flags]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+# Each flag against the plan it refines: a flag must change what is planned.
+FLAG_CHANGES = [
+    ((), ("--strategy", "zero2")),
+    ((), ("--strategy", "rtp")),
+    ((), ("--qwz", "int8")),
+    (("--qwz", "int8"), ("--qwz-block", "64")),
+    ((), ("--hpz",)),
+    ((), ("--qgz", "int4")),
+    (("--qgz", "int4"), ("--qgz-block", "256")),
+    (("--qgz", "int4"), ("--qgz-intra-node", "none")),
+    ((), ("--osp", "0.5")),
+    ((), ("--param-dtype", "bfloat16")),
+    ((), ("--reduce-dtype", "bfloat16")),
+    ((), ("--bucket-mb", "0.01")),
+    (("--bucket-mb", "0.01"), ("--prefetch", "0")),
+    ((), ("--keep-gathered-mb", "1")),
+]
+
+
+def test_every_config_flag_reaches_the_schedule(capsys):
+    """A flag that changes nothing in the plan (collectives, their bytes or
+    their place in the timeline) would be a flag the planner ignores."""
+    plans = {}
+    for base, flag in FLAG_CHANGES:
+        for flags in (base, (*base, *flag)):
+            if flags not in plans:
+                plan = _plan_json(capsys, *flags)
+                plans[flags] = (plan["collectives"], plan["timeline"])
+        assert plans[(*base, *flag)] != plans[base], f"{flag} changed nothing on top of {base}"
+
+
 @pytest.mark.parametrize(
     "flags, words",
     [
+        (["--qwz-block", "64"], "without --qwz"),
+        (["--qgz-intra-node", "int4"], "without --qgz"),
+        (["--osp-split", "last"], "without --osp"),
+        (["--osp", "0.5", "--osp-split", "magnitude"], "measured"),
         (["--hpz", "--node-size", "3"], "16 % 3"),
         (["--qgz", "int4", "--node-size", "3"], "16 % 3"),
         (["--strategy", "rtp", "--osp", "0.5"], "not implemented"),

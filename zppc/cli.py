@@ -14,6 +14,8 @@ import dataclasses
 import json
 import sys
 
+DTYPES = ["float32", "bfloat16", "float16"]
+
 # What `--compare` may change, and how to read its values.
 _COMPARABLE = {
     "strategy": str,
@@ -21,6 +23,7 @@ _COMPARABLE = {
     "qgz": lambda v: None if v == "none" else v,
     "hpz": lambda v: v.lower() in ("1", "true", "yes", "on"),
     "param_dtype": lambda v: None if v == "none" else v,
+    "osp": lambda v: None if v == "none" else float(v),
     "bucket_mb": float,
     "prefetch": int,
     "keep_gathered_mb": float,
@@ -44,10 +47,19 @@ def _compare_overrides(spec: str) -> dict:
         overrides["hpz"] = False  # "zero3" means plain zero3, not the first config's extras
     if "strategy" in overrides:
         overrides.setdefault("keep_gathered_mb", 0.0)
-    for key in ("qwz", "qgz"):
+    for key in ("qwz", "qgz", "osp"):
         if "strategy" in overrides:
             overrides.setdefault(key, None)
     return overrides
+
+
+# Flags that refine a feature, and the feature they need.
+_REFINES = {
+    "qwz_block": "qwz",
+    "qgz_block": "qgz",
+    "qgz_intra_node": "qgz",
+    "osp_split": "osp",
+}
 
 
 def _model_and_inputs(spec: str, seq: int):
@@ -122,20 +134,39 @@ def _plan(args: argparse.Namespace) -> dict:
         raise SystemExit(
             f"zppc schedule: --rank must be in [0, {args.world_size}), got {args.rank}"
         )
+    for flag, needs in _REFINES.items():
+        if getattr(args, flag, None) is not None and getattr(args, needs) is None:
+            raise SystemExit(
+                f"zppc schedule: --{flag.replace('_', '-')} changes nothing without --{needs}"
+            )
+    if args.osp_split == "magnitude":
+        raise SystemExit(
+            "zppc schedule: --osp-split magnitude picks stage 2 from the gradients' measured "
+            "magnitudes, which a plan on meta tensors has none of; --osp-split last plans the "
+            "same bytes in stage 2 (F of the gradient bytes), ordered by backward"
+        )
     param_dtype = getattr(torch, args.param_dtype) if args.param_dtype else None
+    reduce_dtype = getattr(torch, args.reduce_dtype) if args.reduce_dtype else None
     try:
         config = zppc.Config(
             strategy=args.strategy,
             qwz=args.qwz,
+            qwz_block=args.qwz_block,
             hpz=args.hpz,
             qgz=args.qgz,
+            qgz_block=args.qgz_block,
+            qgz_intra_node={None: "int8", "none": None}.get(
+                args.qgz_intra_node, args.qgz_intra_node
+            ),
             osp=args.osp,
+            osp_split=args.osp_split or "last",
             node_size=args.node_size,
             bucket_bytes=int(args.bucket_mb * 2**20),
             prefetch=args.prefetch,
             keep_gathered_bytes=int(args.keep_gathered_mb * 2**20),
             lowering="eager",
             param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
         )
         links = Links(
             parse_rate(args.intra_bw) if args.intra_gbps is None else args.intra_gbps * 1e9 / 8,
@@ -225,7 +256,10 @@ def _schedule(args: argparse.Namespace) -> int:
     other = None
     if args.compare:
         overrides = _compare_overrides(args.compare)
-        other_args = argparse.Namespace(**{**vars(args), **overrides, "compare": None})
+        other = {**vars(args), **overrides, "compare": None}
+        # A feature the comparison turns off takes its refinements with it.
+        other.update({flag: None for flag, needs in _REFINES.items() if other[needs] is None})
+        other_args = argparse.Namespace(**other)
         other = _plan(other_args)
     out = open(args.output, "w") if args.output else sys.stdout  # noqa: SIM115
     try:
@@ -317,8 +351,29 @@ def main(argv: list[str] | None = None) -> int:
         "--hpz", action="store_true", help="backward gathers inside the node (secondary shard)"
     )
     s.add_argument("--qgz", choices=["int4", "int8"], default=None, help="quantized gradients")
+    s.add_argument(
+        "--qwz-block", type=int, default=None, help="elements per qwZ scale (default: the format's)"
+    )
+    s.add_argument(
+        "--qgz-block", type=int, default=None, help="elements per qgZ scale (default: the format's)"
+    )
+    s.add_argument(
+        "--qgz-intra-node",
+        choices=["int8", "int4", "none"],
+        default=None,
+        help="format of qgZ's intra-node hop (default int8; none: unquantized)",
+    )
     s.add_argument("--osp", type=float, default=None, help="fraction of gradients in stage 2")
-    s.add_argument("--param-dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    s.add_argument(
+        "--osp-split",
+        choices=["last", "magnitude"],
+        default=None,
+        help="which gradients make up stage 2 (magnitude needs measured gradients: not plannable)",
+    )
+    s.add_argument("--param-dtype", choices=DTYPES, default=None)
+    s.add_argument(
+        "--reduce-dtype", choices=DTYPES, default=None, help="dtype of the gradient reductions"
+    )
     s.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap in MiB")
     s.add_argument(
         "--prefetch", type=int, default=1, help="gathered buckets issued ahead of the one in use"
