@@ -47,19 +47,27 @@ SUITES = {
             "qgz_error_feedback": True,
         },
     },
+    # Which component of ZeRO++ moves the loss: each added alone, then together.
+    "zeropp-parts": {
+        "zero3": {},
+        "zero3 + qwz int8": {"qwz": "int8"},
+        "zero3 + qwz int8 + hpz": {"qwz": "int8", "hpz": True},
+        "zero3 + qgz int4": {"qgz": "int4"},
+        "ZeRO++ (qwz int8 + hpz + qgz int4)": {"qwz": "int8", "hpz": True, "qgz": "int4"},
+    },
 }
 
 
 def train(fields, args, data, rank, world) -> dict:
     torch._dynamo.reset()
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     model = zppc.distribute(
         GPT(PRESETS[args.preset]).to(getattr(torch, args.dtype)),
         zppc.Config(node_size=args.node_size, lowering=args.lowering, **fields),
     )
     step = torch.compile(model, backend="zppc")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
-    batches = random_windows(data, args.batch_size, args.block, seed=1000 + rank)
+    batches = random_windows(data, args.batch_size, args.block, seed=1000 * (args.seed + 1) + rank)
     losses, start = [], None
     zppc.reset_comm_stats()
     for i in range(args.steps):
@@ -97,6 +105,12 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--node-size", type=int, default=None)
     p.add_argument("--lowering", default="eager", choices=["eager", "inductor"])
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="weights and batches (another seed: the run-to-run spread)",
+    )
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
     torch.set_num_threads(
@@ -137,6 +151,7 @@ def report(results: dict, args, world: int) -> None:
             f"| {r['step_seconds']:.3f} |"
         )
     name = f"{args.suite}_accuracy" + ("" if args.dtype == "float32" else f"_{args.dtype}")
+    name += f"_seed{args.seed}" if args.seed else ""
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{name}.json").write_text(
         json.dumps({"args": vars(args) | {"out": str(args.out)}, "results": results}, indent=1)
