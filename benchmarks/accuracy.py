@@ -111,6 +111,12 @@ def main() -> None:
         default=0,
         help="weights and batches (another seed: the run-to-run spread)",
     )
+    p.add_argument(
+        "--only",
+        type=lambda v: {int(i) for i in v.split(",")},
+        default=None,
+        help="run only these rows of the suite, by position (0: zero3, the baseline)",
+    )
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
     torch.set_num_threads(
@@ -120,7 +126,10 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     data = stdlib_corpus(8 << 20)
     results = {}
-    for label, fields in SUITES[args.suite].items():
+    rows = SUITES[args.suite]
+    if args.only:
+        rows = {k: v for i, (k, v) in enumerate(rows.items()) if i in args.only}
+    for label, fields in rows.items():
         if rank == 0:
             print(f"{label}:", flush=True)
         results[label] = train(fields, args, data, rank, world)
