@@ -54,6 +54,8 @@ SUITES = {
         "zero3 + qwz int8 + hpz": {"qwz": "int8", "hpz": True},
         "zero3 + qgz int4": {"qgz": "int4"},
         "ZeRO++ (qwz int8 + hpz + qgz int4)": {"qwz": "int8", "hpz": True, "qgz": "int4"},
+        "zero3 + qwz int8, blocks of 256": {"qwz": "int8", "qwz_block": 256},
+        "zero3 + qwz int8, blocks of 64": {"qwz": "int8", "qwz_block": 64},
     },
 }
 
