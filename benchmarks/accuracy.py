@@ -115,7 +115,7 @@ def main() -> None:
     )
     p.add_argument(
         "--only",
-        type=lambda v: {int(i) for i in v.split(",")},
+        type=lambda v: sorted({int(i) for i in v.split(",")}),
         default=None,
         help="run only these rows of the suite, by position (0: zero3, the baseline)",
     )
