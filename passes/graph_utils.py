@@ -118,14 +118,9 @@ class GraphBuilder:
             # the base's for a view) must be the copy's own. Running the ops on
             # fakes again costs ~10x more, and a 40-layer plan inlines tens of
             # thousands of them.
-            if reusable and _fresh_output(original):
-                node.meta["val"] = _fresh_fake(original.meta["val"], self.fake_mode)
-                continue
-            base = _view_base(original) if reusable else None
-            if base is not None:
-                node.meta["val"] = _view_fake(
-                    original.meta["val"], base.meta["val"], node_value(copied[base]), self.fake_mode
-                )
+            val = _value_from_trace(original, copied, self.fake_mode) if reusable else None
+            if val is not None:
+                node.meta["val"] = val
                 continue
             fake_args, fake_kwargs = tree_map_only(fx.Node, node_value, (node.args, node.kwargs))
             with self.fake_mode:
@@ -133,55 +128,38 @@ class GraphBuilder:
         return out
 
 
-def _fresh_fake(like: torch.Tensor, fake_mode) -> torch.Tensor:
-    """A fake tensor of `like`'s metadata on storage of its own."""
-    meta = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device="meta")
-    return FakeTensor(fake_mode, meta, like.device)
-
-
-def _view_fake(like: torch.Tensor, traced_base, base, fake_mode) -> torch.Tensor:
-    """A fake tensor of `like`'s metadata on `base`'s storage, at the offset
-    `like` had from `traced_base`."""
-    offset = base.storage_offset() + like.storage_offset() - traced_base.storage_offset()
-    with no_dispatch():
-        meta = torch.empty(0, dtype=like.dtype, device="meta")
-        meta.set_(base.untyped_storage(), offset, like.shape, like.stride())
-    return FakeTensor(fake_mode, meta, like.device)
-
-
-def _view_base(node: fx.Node) -> fx.Node | None:
-    """The input `node` returns a view of, when it is a plain view op (one
-    returned tensor aliasing its first argument, nothing mutated)."""
-    target, val = node.target, node.meta.get("val")
-    if not isinstance(target, torch._ops.OpOverload) or not isinstance(val, torch.Tensor):
+def _value_from_trace(original: fx.Node, copied: dict, fake_mode) -> torch.Tensor | None:
+    """The fake value of `original`'s copy, from `original`'s: a tensor of the
+    same metadata on storage of its own, or, for a plain view op (one returned
+    tensor aliasing its first argument), on its base's copy's storage at the
+    same offset from it. None where the op must run (several or no returned
+    tensors, mutation, symbolic sizes)."""
+    target, like = original.target, original.meta.get("val")
+    if not isinstance(target, torch._ops.OpOverload) or not isinstance(like, torch.Tensor):
         return None
     schema = target._schema
-    if len(schema.returns) != 1 or schema.is_mutable or not schema.arguments:
+    if len(schema.returns) != 1 or schema.is_mutable:
         return None
-    returned, first = schema.returns[0].alias_info, schema.arguments[0].alias_info
-    base = node.args[0] if node.args else None
-    if returned is None or first is None or returned.before_set != first.before_set:
+    if not all(isinstance(d, int) for d in (*like.shape, *like.stride(), like.storage_offset())):
         return None
-    if not isinstance(base, fx.Node) or not isinstance(base.meta.get("val"), torch.Tensor):
+    returned = schema.returns[0].alias_info
+    if returned is None:
+        meta = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device="meta")
+        return FakeTensor(fake_mode, meta, like.device)
+    first = schema.arguments[0].alias_info if schema.arguments else None
+    base = original.args[0] if original.args else None
+    if first is None or returned.before_set != first.before_set:
         return None
-    if not all(isinstance(d, int) for d in (*val.shape, *val.stride(), val.storage_offset())):
+    if not isinstance(base, fx.Node) or base not in copied:
         return None
-    return base
-
-
-def _fresh_output(node: fx.Node) -> bool:
-    """Whether `node` returns one new tensor that aliases none of its inputs
-    (so a copy's fake value is an empty tensor of the same metadata)."""
-    target, val = node.target, node.meta.get("val")
-    if not isinstance(target, torch._ops.OpOverload) or not isinstance(val, torch.Tensor):
-        return False
-    returns = target._schema.returns
-    return (
-        len(returns) == 1
-        and returns[0].alias_info is None
-        and not target._schema.is_mutable
-        and all(isinstance(d, int) for d in (*val.shape, *val.stride()))
-    )
+    traced_base, copy_base = base.meta.get("val"), node_value(copied[base])
+    if not isinstance(traced_base, torch.Tensor) or not isinstance(copy_base, torch.Tensor):
+        return None
+    offset = copy_base.storage_offset() + like.storage_offset() - traced_base.storage_offset()
+    with no_dispatch():
+        meta = torch.empty(0, dtype=like.dtype, device="meta")
+        meta.set_(copy_base.untyped_storage(), offset, like.shape, like.stride())
+    return FakeTensor(fake_mode, meta, like.device)
 
 
 # (function, input shapes and dtypes, fake mode) -> its traced graph.
