@@ -135,7 +135,7 @@ def _plan(args: argparse.Namespace) -> dict:
             f"zppc schedule: --rank must be in [0, {args.world_size}), got {args.rank}"
         )
     for flag, needs in _REFINES.items():
-        if getattr(args, flag, None) is not None and getattr(args, needs) is None:
+        if getattr(args, flag) is not None and getattr(args, needs) is None:
             raise SystemExit(
                 f"zppc schedule: --{flag.replace('_', '-')} changes nothing without --{needs}"
             )
@@ -147,19 +147,20 @@ def _plan(args: argparse.Namespace) -> dict:
         )
     param_dtype = getattr(torch, args.param_dtype) if args.param_dtype else None
     reduce_dtype = getattr(torch, args.reduce_dtype) if args.reduce_dtype else None
+    # Refinements the user gave; the others keep Config's defaults.
+    refinements = {
+        flag: getattr(args, flag) for flag in _REFINES if getattr(args, flag) is not None
+    }
+    if refinements.get("qgz_intra_node") == "none":
+        refinements["qgz_intra_node"] = None
     try:
         config = zppc.Config(
             strategy=args.strategy,
             qwz=args.qwz,
-            qwz_block=args.qwz_block,
             hpz=args.hpz,
             qgz=args.qgz,
-            qgz_block=args.qgz_block,
-            qgz_intra_node={None: "int8", "none": None}.get(
-                args.qgz_intra_node, args.qgz_intra_node
-            ),
             osp=args.osp,
-            osp_split=args.osp_split or "last",
+            **refinements,
             node_size=args.node_size,
             bucket_bytes=int(args.bucket_mb * 2**20),
             prefetch=args.prefetch,
@@ -256,10 +257,10 @@ def _schedule(args: argparse.Namespace) -> int:
     other = None
     if args.compare:
         overrides = _compare_overrides(args.compare)
-        other = {**vars(args), **overrides, "compare": None}
+        fields = {**vars(args), **overrides, "compare": None}
         # A feature the comparison turns off takes its refinements with it.
-        other.update({flag: None for flag, needs in _REFINES.items() if other[needs] is None})
-        other_args = argparse.Namespace(**other)
+        fields.update({flag: None for flag, needs in _REFINES.items() if fields[needs] is None})
+        other_args = argparse.Namespace(**fields)
         other = _plan(other_args)
     out = open(args.output, "w") if args.output else sys.stdout  # noqa: SIM115
     try:
