@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch import fx
 from zppc.kernels import qgz as qgz_kernels
 from zppc.kernels.quant import FORMAT_BITS
-from zppc.passes.graph_utils import GraphBuilder
+from zppc.passes.graph_utils import GraphBuilder, lowers_to_triton_kernels
 from zppc.passes.zero import (
     GRAD_REDUCE,
     UNQUANTIZED_BYTES,
@@ -99,9 +99,8 @@ def qgz_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         rows = b.inline(
             partial(qgz_kernels.reorder_for_two_hops, nodes=nodes, per_node=per_node), m.input
         )
-        on_cuda = m.input.meta["val"].device.type == "cuda"
         fusable = first.quant and second.quant and store is None and nodes > 1 and per_node > 1
-        if on_cuda and fusable:
+        if fusable and lowers_to_triton_kernels(m.input.meta["val"]):
             total = fused_two_hops(b, rows, first, second)
         else:
             node_sums = b.call(aten.view.default, first.run(b, rows), [nodes, shard])

@@ -23,7 +23,7 @@ from functools import partial
 import torch
 from torch import fx
 from zppc.kernels import quant
-from zppc.passes.graph_utils import GraphBuilder
+from zppc.passes.graph_utils import GraphBuilder, lowers_to_triton_kernels
 from zppc.passes.zero import (
     NODE_LOCAL,
     PARAM_GATHER,
@@ -57,9 +57,10 @@ def qwz_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         world = group_size(m.group_name)
         numel = m.input.meta["val"].numel()
         dtype = m.input.meta["val"].dtype
-        # GPU: the Triton kernels, as custom ops. Elsewhere: the torch reference's
-        # aten ops, inlined so that Inductor fuses them.
-        if m.input.meta["val"].device.type == "cuda":
+        # GPU (and a plan): the Triton kernels, as custom ops. Elsewhere: the
+        # torch reference's aten ops, inlined so that Inductor fuses them.
+        triton_kernels = lowers_to_triton_kernels(m.input.meta["val"])
+        if triton_kernels:
             payload = b.call(zppc_ops.quantize_pack.default, m.input, block, bits)
         else:
             payload = b.inline(
@@ -69,7 +70,7 @@ def qwz_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         gathered.meta[PARAM_GATHER] = True
         gathered.meta[UNQUANTIZED_BYTES] = numel * dtype.itemsize
         unpack = dict(world=world, numel=numel, block=block, bits=bits, dtype=dtype)
-        if m.input.meta["val"].device.type == "cuda":
+        if triton_kernels:
             values = b.call(zppc_ops.unpack_dequantize.default, gathered, *unpack.values())
         else:
             values = b.inline(partial(quant.unpack_dequantize_reference, **unpack), gathered)

@@ -165,6 +165,28 @@ def test_compare_plans_both_and_prints_the_ratios(capsys, tmp_path):
     assert mine["inter_node_bytes"] < theirs["inter_node_bytes"]
 
 
+def test_a_forked_comparison_plans_what_one_process_plans(tmp_path):
+    """`--jobs 2` plans the comparison in a forked process: same plans, to the byte."""
+    args = ["schedule", "gpt-tiny", "--world-size", "16", "--node-size", "4", "--format", "json"]
+    args += ["--qwz", "int8", "--hpz", "--qgz", "int4", "--compare", "zero3"]
+    plans = {}
+    for jobs in (1, 2):
+        out = tmp_path / f"jobs{jobs}.json"
+        assert main(args + ["--jobs", str(jobs), "-o", str(out)]) == 0
+        plans[jobs] = json.loads(out.read_text())
+    for plan in (plans[1], plans[1]["compare"], plans[2], plans[2]["compare"]):
+        del plan["config"]["jobs"], plan["config"]["output"]
+    assert plans[1] == plans[2]
+    assert plans[2]["compare"]["config"]["qwz"] is None
+
+
+def test_an_error_in_the_forked_comparison_reaches_the_user():
+    # The first plan (zero3) fits 6 ranks in nodes of 4; the comparison's hpZ does not.
+    flags = ["schedule", "gpt-tiny", "--world-size", "6", "--node-size", "4"]
+    with pytest.raises(SystemExit, match="world_size % node_size == 0, got 6 % 4"):
+        main(flags + ["--compare", "zero3,hpz=true", "--jobs", "2"])
+
+
 @pytest.mark.parametrize(
     "flags, words",
     [
@@ -172,6 +194,7 @@ def test_compare_plans_both_and_prints_the_ratios(capsys, tmp_path):
         (["--latency", "soon"], "cannot read the time"),
         (["--compare", "zero3,warp=9"], "cannot set 'warp'"),
         (["--tflops", "-1"], "--tflops must be positive"),
+        (["--jobs", "0"], "--jobs must be at least 1"),
     ],
 )
 def test_bad_flags_are_clear_errors(flags, words):

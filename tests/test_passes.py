@@ -226,3 +226,16 @@ def test_inline_from_a_cached_trace_gives_the_values_running_the_ops_would():
     second_rows = [n for n in copies if inputs[1] in n.all_input_nodes][0]
     assert storage(second_rows) == storage(inputs[1])
     assert node_value(second_rows).storage_offset() == 24
+
+
+def test_a_plan_lowers_quantization_as_a_gpu_compile_does():
+    """Inside `planning()` tensors on meta get the Triton custom ops (the GPU
+    build a plan describes); a CPU compile keeps the inlined torch reference.
+    That both give the same bytes is `test_planned_bytes_equal_a_live_ledger`."""
+    from zppc.passes import planning
+    from zppc.passes.graph_utils import lowers_to_triton_kernels
+
+    meta, cpu = torch.empty(3, device="meta"), torch.empty(3)
+    assert not lowers_to_triton_kernels(meta) and not lowers_to_triton_kernels(cpu)
+    with planning():
+        assert lowers_to_triton_kernels(meta) and not lowers_to_triton_kernels(cpu)

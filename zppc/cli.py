@@ -12,7 +12,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import pickle
 import sys
+import traceback
 
 DTYPES = ["float32", "bfloat16", "float16"]
 
@@ -106,25 +109,13 @@ def _first_tensor(output):
     raise SystemExit("zppc schedule: the model's output holds no tensor to take a loss from")
 
 
-def _plan(args: argparse.Namespace) -> dict:
-    """Compile one step against a fake process group; its collectives, bytes,
-    FLOPs and the predicted step time."""
+def _settings(args: argparse.Namespace):
+    """The Config, links and compute rate `args` ask for, or a SystemExit naming
+    what is wrong; cheap, so every plan's settings are checked before any runs."""
     import torch
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import zppc
-    from zppc.cost import (
-        Links,
-        collective_seconds,
-        flops_per_second,
-        graph_flops,
-        parse_rate,
-        parse_time,
-        simulate,
-    )
-    from zppc.passes import planning
-    from zppc.schedule import graph_schedule
+    from zppc.cost import Links, flops_per_second, parse_rate, parse_time
 
     if args.node_size > args.world_size:
         raise SystemExit(
@@ -134,6 +125,8 @@ def _plan(args: argparse.Namespace) -> dict:
         raise SystemExit(
             f"zppc schedule: --rank must be in [0, {args.world_size}), got {args.rank}"
         )
+    if args.jobs < 1:
+        raise SystemExit(f"zppc schedule: --jobs must be at least 1, got {args.jobs}")
     for flag, needs in _REFINES.items():
         if getattr(args, flag) is not None and getattr(args, needs) is None:
             raise SystemExit(
@@ -178,6 +171,22 @@ def _plan(args: argparse.Namespace) -> dict:
         rate = flops_per_second(args.device, args.tflops, half)
     except (ValueError, NotImplementedError) as exc:
         raise SystemExit(f"zppc schedule: {exc}") from None
+    return config, links, rate
+
+
+def _plan(args: argparse.Namespace) -> dict:
+    """Compile one step against a fake process group; its collectives, bytes,
+    FLOPs and the predicted step time."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import zppc
+    from zppc.cost import collective_seconds, graph_flops, simulate
+    from zppc.passes import planning
+    from zppc.schedule import graph_schedule
+
+    config, links, rate = _settings(args)
     torch._dynamo.reset()  # each plan compiles afresh (no recompile limit across plans)
     dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=args.world_size)
     try:
@@ -252,16 +261,72 @@ def _summary(plan: dict) -> str:
     )
 
 
+def _comparison_args(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with what `--compare` changes."""
+    overrides = _compare_overrides(args.compare)
+    fields = {**vars(args), **overrides, "compare": None}
+    # A feature the comparison turns off takes its refinements with it.
+    fields.update({flag: None for flag, needs in _REFINES.items() if fields[needs] is None})
+    return argparse.Namespace(**fields)
+
+
+def _plans(all_args: list[argparse.Namespace], jobs: int) -> list[dict]:
+    """`_plan` of each; with `jobs` > 1, the later ones in forked processes
+    while this one plans the first. The plans are independent (each compiles
+    on its own fake process group), and one uses one core."""
+    if jobs < 2 or len(all_args) < 2 or not hasattr(os, "fork"):
+        return [_plan(a) for a in all_args]
+    children = [_fork_plan(a) for a in all_args[1:jobs]]
+    first = _plan(all_args[0])
+    rest = [_collect(pid, reader) for pid, reader in children]
+    return [first, *rest, *(_plan(a) for a in all_args[jobs:])]
+
+
+def _fork_plan(args: argparse.Namespace) -> tuple[int, int]:
+    """Start `_plan(args)` in a child; its pid and the pipe it answers on."""
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: plan, send the result (or the error), and leave
+        os.close(reader)
+        try:
+            try:
+                answer = ("plan", _plan(args))
+            except SystemExit as exc:
+                answer = ("exit", str(exc))
+            except BaseException:  # noqa: BLE001  (reported by the parent)
+                answer = ("error", traceback.format_exc())
+            with os.fdopen(writer, "wb") as pipe:
+                pickle.dump(answer, pipe)
+        finally:
+            os._exit(0)
+    os.close(writer)
+    return pid, reader
+
+
+def _collect(pid: int, reader: int) -> dict:
+    with os.fdopen(reader, "rb") as pipe:
+        data = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    if not data:
+        raise SystemExit(
+            f"zppc schedule: the comparison's plan ended without an answer "
+            f"(wait status {status}); rerun with --jobs 1 to plan it in this process"
+        )
+    kind, value = pickle.loads(data)
+    if kind == "exit":
+        raise SystemExit(value)
+    if kind == "error":
+        raise RuntimeError(f"the comparison's plan failed:\n{value}")
+    return value
+
+
 def _schedule(args: argparse.Namespace) -> int:
-    plan = _plan(args)
-    other = None
-    if args.compare:
-        overrides = _compare_overrides(args.compare)
-        fields = {**vars(args), **overrides, "compare": None}
-        # A feature the comparison turns off takes its refinements with it.
-        fields.update({flag: None for flag, needs in _REFINES.items() if fields[needs] is None})
-        other_args = argparse.Namespace(**fields)
-        other = _plan(other_args)
+    all_args = [args] + ([_comparison_args(args)] if args.compare else [])
+    for a in all_args:
+        _settings(a)  # every plan's bad input is reported before any plan runs
+    plan, *rest = _plans(all_args, args.jobs)
+    other = rest[0] if rest else None
+    other_args = all_args[1] if rest else None
     out = open(args.output, "w") if args.output else sys.stdout  # noqa: SIM115
     try:
         if args.format == "json":
@@ -274,7 +339,7 @@ def _schedule(args: argparse.Namespace) -> int:
             json.dump(chrome_trace(plan["timeline"], args.rank), out)
             out.write("\n")
         else:
-            _print_table(plan, args, other, other_args if other else None, out)
+            _print_table(plan, args, other, other_args, out)
     finally:
         if args.output:
             out.close()
@@ -411,6 +476,13 @@ def main(argv: list[str] | None = None) -> int:
         "--compare",
         default=None,
         help='a second configuration to plan beside this one: "zero3", "zero3,qwz=int8,hpz=true"',
+    )
+    s.add_argument(
+        "--jobs",
+        type=int,
+        default=min(2, os.cpu_count() or 1),
+        help="plans at once: with --compare, 2 plans the comparison in a second process "
+        "(default: 2 when there are 2 cores or more)",
     )
     s.add_argument("--format", choices=["table", "json", "chrome"], default="table")
     s.add_argument("-o", "--output", default=None, help="write to this file instead of stdout")
