@@ -219,11 +219,23 @@ class InFlight:
     reduction: Reduction | TwoHopReduction
     offset: int
     local: Tensor
-    """What the backward gave the parameter instead: this rank's own gradient."""
+    """What the backward gave the parameter instead: this rank's own gradient
+    (scaled as the gradient was, by `zppc.clip_grad_norm_`)."""
+    scale: Tensor | None = None
+    """The clipping coefficient `zppc.clip_grad_norm_` applied to the local
+    gradient; the global mean gets the same (None: 1)."""
 
     def mean(self) -> Tensor:
         flat = self.reduction.mean()[self.offset : self.offset + self.local.numel()]
-        return flat.view(self.local.shape)
+        mean = flat.view(self.local.shape)
+        return mean if self.scale is None else mean * self.scale
+
+    def rescale(self, coefficient: Tensor) -> None:
+        """The parameter's gradient was multiplied by `coefficient` (a clip):
+        the local copy is, by the same operation (so that the two stay equal
+        to the bit), and so will the global mean be."""
+        self.local.mul_(coefficient)
+        self.scale = coefficient if self.scale is None else self.scale * coefficient
 
     def wait(self) -> None:
         self.reduction.mean()
@@ -341,6 +353,7 @@ class OspState:
 
     def before_step(self, optimizer: torch.optim.Optimizer, ours: list[str]) -> None:
         """`ours`: the stage-2 parameters `optimizer` steps."""
+        self.check_replicas_unchanged(ours)
         self.advance()
         state = self.model_state()
         if self.lgp:
@@ -362,6 +375,29 @@ class OspState:
                 param.grad = None
                 _wait_all(owed)
             self.owed[fqn] = (weakref.ref(optimizer), self.in_flight.pop(fqn, []))
+
+    def check_replicas_unchanged(self, fqns: list[str]) -> None:
+        """A replicated stage-2 gradient (ddp, 0-dim parameters) holds this
+        rank's own values. If something scaled it since the backward without
+        telling zppc (`torch.nn.utils.clip_grad_norm_`: each rank by its own
+        norm, which its local gradients enter), every other gradient was
+        scaled by a coefficient that differs across ranks too, and the
+        replicas would drift apart for good. Raised on every rank alike (each
+        ran the same code), before any collective of this step."""
+        state = self.model_state()
+        for fqn in fqns:
+            in_flight, grad = self.in_flight.get(fqn), state.shard(fqn).grad
+            if state.specs[fqn].mode != "ddp" or not in_flight or grad is None:
+                continue
+            if not torch.equal(grad, sum(f.local for f in in_flight)):
+                raise ValueError(
+                    f"the gradient of {fqn!r}, a replicated parameter whose reduction OSP "
+                    "defers (stage 2), changed between backward and the optimizer step: "
+                    "torch.nn.utils.clip_grad_norm_ clips each rank by a norm of its own "
+                    "local gradients, and the ranks' parameters would drift apart; use "
+                    "zppc.clip_grad_norm_(model.parameters(), max_norm), which clips every "
+                    "rank alike"
+                )
 
     def synchronize(self) -> None:
         """Complete every pending stage-2 reduction and what it owes."""

@@ -19,14 +19,15 @@ def make_optimizer(name: str, params):
     return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
 
 
-def osp_training(rank, world, runs, lowering="eager", steps=STEPS, tmp=None):
+def osp_training(rank, world, runs, lowering="eager", steps=STEPS, tmp=None, clip=None):
     """For each run (strategy, optimizer, osp_lgp, micro-batches per step, how
     training ends[, other Config fields as (name, value) pairs]): `steps`
     compiled steps of OddMLP with OSP (F=0.5 unless set) on this rank's slice of the batch. Training ends with `zppc.synchronize` ("sync"),
     a forward under `torch.no_grad()` ("no_grad"), one in eval mode ("eval")
     or `zppc.save` ("save"). Returns the initial parameters, the stage-2 set,
     this rank's parameters before and after the end, a digest of the latter,
-    and the ledger of the last step."""
+    and the ledger of the last step. `clip`: `zppc.clip_grad_norm_` to this
+    max norm before each step (the norms returned are kept)."""
     out = {}
     for run in runs:
         strategy, optimizer, lgp, micro, finish, *fields = run
@@ -39,11 +40,14 @@ def osp_training(rank, world, runs, lowering="eager", steps=STEPS, tmp=None):
         zppc.distribute(net, config)
         opt = make_optimizer(optimizer, net.parameters())
         step = torch.compile(net, backend="zppc")
+        norms = []
         for t in range(steps):
             zppc.reset_comm_stats()
             x, y = OddMLP.batch(t, 4 * world * micro)
             for xs, ys in zip(x.chunk(micro), y.chunk(micro), strict=True):
                 step(xs.chunk(world)[rank], ys.chunk(world)[rank]).backward()
+            if clip is not None:
+                norms.append(zppc.clip_grad_norm_(net.parameters(), clip).item())
             opt.step()
             opt.zero_grad()
         comm = zppc.comm_stats().as_dict()
@@ -69,11 +73,14 @@ def osp_training(rank, world, runs, lowering="eager", steps=STEPS, tmp=None):
             "comm": comm,
             "residuals": sorted(net._zppc_state.qgz_residuals),
             "compiles": len(net._zppc_state.compiles),
+            "norms": norms,
         }
     return out
 
 
-def reference(init, strategy, optimizer, lgp, micro, stage2, world, steps=STEPS, stage2_from=0):
+def reference(
+    init, strategy, optimizer, lgp, micro, stage2, world, steps=STEPS, stage2_from=0, clip=None
+):
     """OSP's semantics on plain tensors, one model copy per rank (no zppc): the
     parameters every rank holds after `steps` steps and the final completion.
 
@@ -84,7 +91,14 @@ def reference(init, strategy, optimizer, lgp, micro, stage2, world, steps=STEPS,
     redone from the values saved before it, with the global mean gradient;
     without, each step uses the previous iteration's mean (none at step 0).
     `micro` micro-batches per step accumulate into one gradient. An empty
-    `stage2` is synchronous training; steps before `stage2_from` are too."""
+    `stage2` is synchronous training; steps before `stage2_from` are too.
+
+    `clip`: every gradient of a step is scaled by min(1, clip / (norm +
+    1e-6)), the norm taken over the gradients the ranks hold at that point:
+    the global mean of stage 1, and of stage 2 the local gradient, sharded
+    ones as their owners' rows, replicated ones (differing per rank) by the
+    mean over ranks of their squared norms. The global mean of a stage-2
+    gradient, when it lands, is scaled by its own step's coefficient."""
     models = []
     for _ in range(world):
         m = OddMLP()
@@ -114,6 +128,10 @@ def reference(init, strategy, optimizer, lgp, micro, stage2, world, steps=STEPS,
         deferred = stage2 if t >= stage2_from else []
         local = local_gradients(models, t, world, micro)
         mean = {n: sum(g[n] for g in local) / world for n in local[0]}
+        if clip is not None:
+            coefficient = _clip_coefficient(clip, mean, local, deferred, strategy, world)
+            local = [{n: g * coefficient for n, g in grads.items()} for grads in local]
+            mean = {n: g * coefficient for n, g in mean.items()}
         for r in range(world):
             grads = {n: mean[n] for n in mean if n not in deferred}
             if lgp:
@@ -141,6 +159,16 @@ def reference(init, strategy, optimizer, lgp, micro, stage2, world, steps=STEPS,
         else:
             step_with(r, {n: previous_mean[n] for n in stage2})
     return [{n: p.detach().clone() for n, p in params[r].items()} for r in range(world)]
+
+
+def _clip_coefficient(clip, mean, local, deferred, strategy, world) -> float:
+    square = sum(g.pow(2).sum() for n, g in mean.items() if n not in deferred)
+    for n in deferred:
+        if strategy == "ddp" or mean[n].dim() == 0:
+            square += sum(g[n].pow(2).sum() for g in local) / world
+        else:
+            square += _owned(local, 0, n, strategy, world).pow(2).sum()
+    return min(1.0, clip / (square.sqrt().item() + 1e-6))
 
 
 def local_gradients(models, t: int, world: int, micro: int) -> list[dict]:
@@ -183,3 +211,22 @@ def _owned(local, r, name, strategy, world):
         return grad
     rows = -(-grad.shape[0] // world)
     return torch.cat([local[k][name][k * rows : (k + 1) * rows] for k in range(world)])
+
+
+def torch_clip_with_replicated_stage2(rank, world):
+    """ddp with OSP, clipped by torch's own clip_grad_norm_: what the first
+    optimizer step raises."""
+    torch.manual_seed(0)
+    net = OddMLP()
+    zppc.distribute(net, zppc.Config(strategy="ddp", osp=0.5, lowering="eager"))
+    opt = make_optimizer("sgd", net.parameters())
+    step = torch.compile(net, backend="zppc")
+    x, y = OddMLP.batch(0, 4 * world)
+    step(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+    torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
+    try:
+        opt.step()
+    except ValueError as exc:
+        zppc.synchronize(net)  # nothing may stay in flight on a group
+        return str(exc)
+    return None

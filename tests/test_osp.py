@@ -76,6 +76,52 @@ def test_osp_equals_the_reference_semantics(tmp_path):
         assert comm["calls"][kind] >= 2, (run, comm)
 
 
+CLIPPED_RUNS = [
+    ("ddp", "sgd", True, 1, "sync"),
+    ("ddp", "adamw", True, 1, "sync"),
+    ("ddp", "sgd", False, 1, "sync"),
+    ("zero3", "adamw", True, 1, "sync"),
+]
+MAX_NORM = 0.05
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_zppc_clip_grad_norm_clips_every_rank_alike_under_osp(tmp_path):
+    """Replicated stage-2 gradients differ per rank: zppc.clip_grad_norm_
+    counts them by the mean over ranks of their squared norms, so every rank
+    clips by one coefficient, and the global mean is clipped by it when it
+    lands. The ranks end bit-identical, equal to the reference's semantics."""
+    results = run_ranks(
+        ow.osp_training, 4, CLIPPED_RUNS, "eager", ow.STEPS, str(tmp_path), MAX_NORM, timeout=540
+    )
+    for run in CLIPPED_RUNS:
+        first = results[0][run]
+        assert first["stage2"] == ["fc1.bias", "fc1.weight"], run
+        norms = [r[run]["norms"] for r in results]
+        assert all(n == norms[0] for n in norms), (run, norms)  # one norm on every rank
+        assert min(norms[0]) > 2 * MAX_NORM, (run, norms[0])  # clipping was active
+        expected = ow.reference(
+            first["init"], *run[:4], first["stage2"], 4, steps=ow.STEPS, clip=MAX_NORM
+        )
+        for rank, r in enumerate(results):
+            assert _gap(r[run]["params"], expected[rank]) < 1e-5, (run, rank)
+        assert len({r[run]["digest"] for r in results}) == 1, run
+        unclipped = ow.reference(first["init"], *run[:4], first["stage2"], 4, steps=ow.STEPS)
+        assert _gap(first["params"], unclipped[0]) > 1e-4, run
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_torch_clip_on_replicated_stage2_is_refused_at_the_step():
+    """torch's clip_grad_norm_ would clip each ddp rank by its own norm and
+    the replicas would drift apart: the step refuses, on every rank."""
+    messages = run_ranks(ow.torch_clip_with_replicated_stage2, 2, timeout=240)
+    for message in messages:
+        assert message is not None and "zppc.clip_grad_norm_" in message, message
+        assert "'fc1." in message and "drift apart" in message, message
+
+
 @pytest.mark.multiproc
 @pytest.mark.inductor
 @pytest.mark.timeout(900)

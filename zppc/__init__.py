@@ -5,6 +5,7 @@ step = torch.compile(model, backend="zppc")
 """
 
 from zppc.checkpoint import load, save
+from zppc.clipping import clip_grad_norm_
 from zppc.config import Config
 from zppc.distribute import (
     distribute,
@@ -21,6 +22,7 @@ __all__ = [
     "CollectiveError",
     "CommStats",
     "Config",
+    "clip_grad_norm_",
     "comm_stats",
     "distribute",
     "full_parameters",

@@ -95,9 +95,9 @@ def _state_of_compiling_frame() -> DistributedState | None:
 
 def _only_live_state() -> DistributedState | None:
     """The distributed models alive in this process, if they all share one Config."""
-    states = {id(s): s for s in live_states()}
-    configs = {s.config for s in states.values()}
-    return next(iter(states.values())) if len(configs) == 1 else None
+    states = live_states()
+    configs = {s.config for s in states}
+    return states[0] if len(configs) == 1 else None
 
 
 def compile_distributed(gm, example_inputs, config: Config, state: DistributedState | None):

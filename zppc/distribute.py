@@ -218,8 +218,9 @@ def state_of_shard(t: object) -> DistributedState | None:
 
 
 def live_states() -> list[DistributedState]:
-    """States of the distributed models whose shards are still alive."""
-    return [state for ref, state in list(_STATE_OF_SHARD.values()) if ref() is not None]
+    """States of the distributed models whose shards are still alive, each once."""
+    alive = {id(state): state for ref, state in list(_STATE_OF_SHARD.values()) if ref() is not None}
+    return list(alive.values())
 
 
 def state_of(model: nn.Module) -> DistributedState | None:
