@@ -166,6 +166,8 @@ def _settings(args: argparse.Namespace):
             parse_rate(args.intra_bw) if args.intra_gbps is None else args.intra_gbps * 1e9 / 8,
             parse_rate(args.inter_bw) if args.inter_gbps is None else args.inter_gbps * 1e9 / 8,
             parse_time(args.latency),
+            inter_per_node=args.inter_link == "node",
+            gloo=args.backend == "gloo",
         )
         half = param_dtype in (torch.bfloat16, torch.float16)
         rate = flops_per_second(args.device, args.tflops, half)
@@ -462,6 +464,19 @@ def main(argv: list[str] | None = None) -> int:
         "--inter-bw", default="100Gbit/s", help="inter-node link per rank, e.g. 100Gbit/s"
     )
     s.add_argument("--latency", default="5us", help="latency of every collective, e.g. 5us")
+    s.add_argument(
+        "--inter-link",
+        choices=["rank", "node"],
+        default="rank",
+        help="what --inter-bw is: each rank's own inter-node link (costs the bytes each rank "
+        "receives), or the node's one link its ranks share (costs the bytes entering the node)",
+    )
+    s.add_argument(
+        "--backend",
+        choices=["nccl", "gloo"],
+        default="nccl",
+        help="the collectives' algorithms: gloo runs reduce-scatter as an all-reduce (2x the bytes)",
+    )
     s.add_argument("--intra-gbps", type=float, default=None, help=argparse.SUPPRESS)
     s.add_argument("--inter-gbps", type=float, default=None, help=argparse.SUPPRESS)
     s.add_argument(

@@ -67,11 +67,20 @@ def parse_time(text: str) -> float:
 
 @dataclass(frozen=True)
 class Links:
-    """Per-rank link speeds (bytes/s) and the latency every collective pays."""
+    """Link speeds (bytes/s), the latency every collective pays, and how the
+    inter-node link and the backend's algorithms are read."""
 
     intra_bytes_per_second: float
     inter_bytes_per_second: float
     latency_seconds: float = 0.0
+    inter_per_node: bool = False
+    """False: each rank has an inter-node link of its own and a collective
+    costs the bytes it receives from other nodes (the ledger's). True: the
+    node's ranks share one link, and a collective costs the bytes entering
+    the node over it, all its ranks counted (ring / direct algorithms)."""
+    gloo: bool = False
+    """gloo runs a reduce-scatter as an all-reduce: twice a ring
+    reduce-scatter's bytes on every link."""
 
     def seconds(self, intra_bytes: int, inter_bytes: int) -> float:
         return (
@@ -234,7 +243,9 @@ def collective_seconds(links: Links, entry) -> float:
     lockstep, so each of its steps waits for the slowest hop: across nodes if
     any hop is (then its node's link carries bytes)."""
     if not entry.ring:
-        return links.seconds(entry.intra_node_bytes, entry.inter_node_bytes)
+        inter = entry.node_link_bytes if links.inter_per_node else entry.inter_node_bytes
+        factor = 2 if links.gloo and entry.kind == "reduce_scatter" else 1
+        return links.seconds(factor * entry.intra_node_bytes, factor * inter)
     if entry.node_link_bytes:
         return links.seconds(0, entry.bytes_per_peer)
     return links.seconds(entry.bytes_per_peer, 0)
