@@ -4,6 +4,8 @@ and the CLI flags that feed it (fake process group, one process)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -211,6 +213,33 @@ def test_an_error_in_the_forked_comparison_reaches_the_user():
     flags = ["schedule", "gpt-tiny", "--world-size", "6", "--node-size", "4"]
     with pytest.raises(SystemExit, match="world_size % node_size == 0, got 6 % 4"):
         main(flags + ["--compare", "zero3,hpz=true", "--jobs", "2"])
+
+
+def test_an_error_in_this_plan_stops_the_forked_comparison(monkeypatch):
+    forked = []
+
+    def fork():
+        pid = real_fork()
+        forked.extend([pid] if pid else [])
+        return pid
+
+    def waitpid(pid, options):
+        done = real_waitpid(pid, options)
+        statuses.append(done[1])
+        return done
+
+    real_fork, real_waitpid, statuses = os.fork, os.waitpid, []
+    monkeypatch.setattr(os, "fork", fork)
+    monkeypatch.setattr(os, "waitpid", waitpid)
+    # This plan's hpZ does not fit 6 ranks in nodes of 4; the comparison (zero3) would.
+    flags = ["schedule", "gpt-tiny", "--world-size", "6", "--node-size", "4", "--hpz"]
+    with pytest.raises(SystemExit, match="world_size % node_size == 0, got 6 % 4"):
+        main(flags + ["--compare", "zero3", "--jobs", "2"])
+    (pid,) = forked
+    (status,) = statuses  # stopped at once, not left to finish, and waited for
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    with pytest.raises(ChildProcessError):
+        real_waitpid(pid, os.WNOHANG)
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import pickle
+import signal
 import sys
 import traceback
 
@@ -279,7 +280,14 @@ def _plans(all_args: list[argparse.Namespace], jobs: int) -> list[dict]:
     if jobs < 2 or len(all_args) < 2 or not hasattr(os, "fork"):
         return [_plan(a) for a in all_args]
     children = [_fork_plan(a) for a in all_args[1:jobs]]
-    first = _plan(all_args[0])
+    try:
+        first = _plan(all_args[0])
+    except BaseException:
+        for pid, reader in children:  # no plan left running, or blocked on its pipe
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            os.close(reader)
+        raise
     rest = [_collect(pid, reader) for pid, reader in children]
     return [first, *rest, *(_plan(a) for a in all_args[jobs:])]
 
