@@ -273,23 +273,22 @@ def _comparison_args(args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(**fields)
 
 
-def _plans(all_args: list[argparse.Namespace], jobs: int) -> list[dict]:
-    """`_plan` of each; with `jobs` > 1, the later ones in forked processes
-    while this one plans the first. The plans are independent (each compiles
-    on its own fake process group), and one uses one core."""
-    if jobs < 2 or len(all_args) < 2 or not hasattr(os, "fork"):
-        return [_plan(a) for a in all_args]
-    children = [_fork_plan(a) for a in all_args[1:jobs]]
+def _plan_both(args: argparse.Namespace, other_args: argparse.Namespace, jobs: int):
+    """The plans of `args` and of the comparison; with `jobs` > 1 the
+    comparison runs in a forked process while this one plans `args`. The two
+    are independent (each compiles on its own fake process group), and a plan
+    uses one core."""
+    if jobs < 2 or not hasattr(os, "fork"):
+        return _plan(args), _plan(other_args)
+    pid, reader = _fork_plan(other_args)
     try:
-        first = _plan(all_args[0])
-    except BaseException:
-        for pid, reader in children:  # no plan left running, or blocked on its pipe
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            os.close(reader)
+        plan = _plan(args)
+    except BaseException:  # no plan left running, or blocked on its pipe
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(reader)
         raise
-    rest = [_collect(pid, reader) for pid, reader in children]
-    return [first, *rest, *(_plan(a) for a in all_args[jobs:])]
+    return plan, _collect(pid, reader)
 
 
 def _fork_plan(args: argparse.Namespace) -> tuple[int, int]:
@@ -331,12 +330,13 @@ def _collect(pid: int, reader: int) -> dict:
 
 
 def _schedule(args: argparse.Namespace) -> int:
-    all_args = [args] + ([_comparison_args(args)] if args.compare else [])
-    for a in all_args:
+    other_args = _comparison_args(args) if args.compare else None
+    for a in filter(None, (args, other_args)):
         _settings(a)  # every plan's bad input is reported before any plan runs
-    plan, *rest = _plans(all_args, args.jobs)
-    other = rest[0] if rest else None
-    other_args = all_args[1] if rest else None
+    if other_args is None:
+        plan, other = _plan(args), None
+    else:
+        plan, other = _plan_both(args, other_args, args.jobs)
     out = open(args.output, "w") if args.output else sys.stdout  # noqa: SIM115
     try:
         if args.format == "json":
