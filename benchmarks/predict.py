@@ -5,10 +5,15 @@
 For every zppc row of the run (benchmarks/run.py's bench.json) it plans the
 same model, world, topology and configuration with the cost model read as
 the cluster is built: the measured inter-node rate is the node's one link
-(`--inter-link node`), gloo's algorithms (`--backend gloo`), and a compute
-rate calibrated once, from one row (default: zppc-zero3 on the fastest link):
-its FLOPs per step over its measured step minus its predicted link time. The
-other rows are predictions. Prints a markdown table with the errors.
+(`--inter-link node`), gloo's algorithms (`--backend gloo`), the graph the
+eager lowering runs on CPU (`--kernels torch`: quantization as the torch
+reference's aten ops), and each op charged the longer of its FLOPs and its
+bytes at this machine's measured one-thread rates (benchmarks/machine.py; the
+run's own record, else --rates). The ranks share the cores, so both rates are
+scaled by one factor, calibrated once, from one row (default: zppc-zero3 on
+the fastest link): the plan's one-thread compute time over the row's measured
+step minus its predicted link time. The other rows are predictions. Prints a
+markdown table with the errors.
 """
 
 from __future__ import annotations
@@ -23,8 +28,13 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+# Measured with benchmarks/machine.py on this kind of machine (2 cores), for
+# runs recorded before bench.json carried its own.
+RECORDED_RATES = HERE / "results" / "machine_rates.json"
 
 from worker import CONFIGS  # noqa: E402
+
+_RATES = ("flops_per_second", "memory_bytes_per_second")
 
 # Config fields `zppc schedule` takes as flags.
 _FLAGS = {
@@ -54,7 +64,7 @@ def schedule_flags(config: str) -> list[str] | None:
     return flags
 
 
-def plan(run_args: dict, config: str, inter_bits: float, tflops: float) -> dict:
+def plan(run_args: dict, config: str, inter_bits: float, rates: dict) -> dict:
     """The plan's totals for one row (each rank's view is the same here: rank 0)."""
     from zppc.cli import main
 
@@ -65,7 +75,9 @@ def plan(run_args: dict, config: str, inter_bits: float, tflops: float) -> dict:
     flags += ["--tokens-per-rank", str(batch * block), "--format", "json"]
     flags += ["--inter-bw", f"{inter_bits:.0f}bit/s", "--inter-link", "node", "--backend", "gloo"]
     # Ranks of a node share its loopback: effectively free next to the shaped link.
-    flags += ["--intra-bw", "10GB/s", "--latency", "0", "--tflops", f"{tflops:.6g}"]
+    flags += ["--intra-bw", "10GB/s", "--latency", "0", "--kernels", "torch"]
+    flags += ["--tflops", f"{rates['flops_per_second'] / 1e12:.6g}"]
+    flags += ["--memory-bw", f"{rates['memory_bytes_per_second']:.6g}B/s"]
     if run_args.get("bucket_mb", "None") != "None":
         flags += ["--bucket-mb", run_args["bucket_mb"]]
     with tempfile.TemporaryDirectory() as tmp:
@@ -75,10 +87,19 @@ def plan(run_args: dict, config: str, inter_bits: float, tflops: float) -> dict:
         return json.loads(out.read_text())["totals"]
 
 
-def predictions(report: dict, calibrate: str = "zppc-zero3") -> tuple[dict, list[dict]]:
+def predictions(
+    report: dict, calibrate: str = "zppc-zero3", rates: dict | None = None
+) -> tuple[dict, list[dict]]:
     """(the calibration, one row per zppc configuration and link: measured
-    and predicted step seconds)."""
+    and predicted step seconds). `rates`: one thread's (benchmarks/machine.py),
+    default the run's record, else the recorded file."""
     run_args = report["args"]
+    if run_args.get("lowering", "eager") != "eager":
+        raise SystemExit(
+            "predict.py plans the graph the eager lowering runs op by op; an inductor run "
+            "fuses those ops, which the plan does not model"
+        )
+    rates = rates or report.get("machine_rates") or json.loads(RECORDED_RATES.read_text())
     links = sorted(report["links"], key=lambda link: -link["measured_bits_per_second"])
     rows = [
         (link, row)
@@ -86,25 +107,29 @@ def predictions(report: dict, calibrate: str = "zppc-zero3") -> tuple[dict, list
         for row in link["rows"]
         if row.get("status") == "ok" and schedule_flags(row["config"]) is not None
     ]
-    # Calibration: the chosen row on the fastest link. Its plan at any rate
-    # gives its FLOPs and link time; compute = measured step - link time.
+    # Calibration: the chosen row on the fastest link. Its plan at one
+    # thread's rates gives its compute and link time; the cluster computes
+    # the measured step minus that link time.
     fastest = links[0]
     measured = next(r for link, r in rows if link is fastest and r["config"] == calibrate)
-    probe = plan(run_args, calibrate, fastest["measured_bits_per_second"], 1.0)
+    probe = plan(run_args, calibrate, fastest["measured_bits_per_second"], rates)
     compute = measured["median_step_seconds"] - probe["communication_seconds"]
+    slowdown = compute / probe["compute_seconds"]
+    cluster_rates = {key: rates[key] / slowdown for key in _RATES}
     calibration = {
         "config": calibrate,
         "link": fastest["rate"],
         "flops": probe["flops"],
         "step_seconds": measured["median_step_seconds"],
         "link_seconds": probe["communication_seconds"],
-        "tflops": probe["flops"] / compute / 1e12,
+        "one_thread_compute_seconds": probe["compute_seconds"],
+        "slowdown": slowdown,
+        "one_thread_rates": {key: rates[key] for key in _RATES},
+        **cluster_rates,
     }
     table = []
     for link, row in rows:
-        totals = plan(
-            run_args, row["config"], link["measured_bits_per_second"], calibration["tflops"]
-        )
+        totals = plan(run_args, row["config"], link["measured_bits_per_second"], cluster_rates)
         table.append(
             {
                 "link": link["rate"],
@@ -121,14 +146,25 @@ def predictions(report: dict, calibrate: str = "zppc-zero3") -> tuple[dict, list
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("bench", type=Path, help="a bench.json of benchmarks/run.py")
-    p.add_argument("--calibrate", default="zppc-zero3", help="the row the compute rate comes from")
+    p.add_argument("--calibrate", default="zppc-zero3", help="the row the slowdown comes from")
+    p.add_argument(
+        "--rates",
+        type=Path,
+        default=None,
+        help="one thread's rates (benchmarks/machine.py -o FILE) when the run has no record "
+        f"of its own (default: {RECORDED_RATES.relative_to(HERE.parent)})",
+    )
     args = p.parse_args(argv)
-    calibration, table = predictions(json.loads(args.bench.read_text()), args.calibrate)
-    c = calibration
+    rates = json.loads(args.rates.read_text()) if args.rates else None
+    calibration, table = predictions(json.loads(args.bench.read_text()), args.calibrate, rates)
+    c, one = calibration, calibration["one_thread_rates"]
     print(
-        f"compute rate {c['tflops'] * 1e3:.2f} GFLOP/s, calibrated on {c['config']} at "
-        f"{c['link']}: {c['flops'] / 1e9:.2f} GFLOP a step in {c['step_seconds']:.3f} s "
-        f"measured - {c['link_seconds']:.3f} s predicted link time\n"
+        f"one thread: {one['flops_per_second'] / 1e9:.1f} GFLOP/s, "
+        f"{one['memory_bytes_per_second'] / 1e9:.2f} GB/s elementwise; both / {c['slowdown']:.2f}, "
+        f"calibrated on {c['config']} at {c['link']}: {c['step_seconds']:.3f} s measured - "
+        f"{c['link_seconds']:.3f} s predicted link time = {c['slowdown']:.2f} x the plan's "
+        f"{c['one_thread_compute_seconds']:.3f} s at one thread's rates "
+        f"({c['flops'] / 1e9:.2f} GFLOP a step)\n"
     )
     print("| link (measured) | configuration | measured step (s) | predicted step (s) | error |")
     print("|---|---|---:|---:|---:|")

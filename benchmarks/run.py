@@ -23,6 +23,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from cluster import ClusterError, EmulatedCluster, require_privileges  # noqa: E402
+from machine import measure_rates  # noqa: E402
 from worker import CONFIGS, why_not_runnable  # noqa: E402
 
 QUICK_CONFIGS = ["torch-fsdp2", "zppc-zero3", "zppc-zero3-qwz-int8", "zppc-zero3-qgz"]
@@ -116,6 +117,8 @@ def main(argv=None) -> int:
         return 2
     names = args.configs.split(",")
     report = {"args": {k: str(v) for k, v in vars(args).items()}, "links": []}
+    # One thread's compute rates, for benchmarks/predict.py's cost model.
+    report["machine_rates"] = measure_rates()
     for rate in args.inter_bw.split(","):
         with EmulatedCluster(nodes=args.nodes, rate=rate, latency=args.latency) as cluster:
             measured = cluster.measure_link()

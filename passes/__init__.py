@@ -35,18 +35,25 @@ PASS_NAMES = (
 
 log = logging.getLogger("zppc.passes")
 
-_PLANNING = ContextVar("zppc_planning", default=False)
+_PLANNING: ContextVar[str | None] = ContextVar("zppc_planning", default=None)
+PLAN_KERNELS = ("triton", "torch")
 
 
 @contextmanager
-def planning() -> Iterator[None]:
+def planning(kernels: str = "triton") -> Iterator[None]:
     """Compiles inside this block serve a plan (`zppc schedule`) and nothing
     else: passes keep no per-pass code (unless ZPPC_DUMP_DIR asks for it), and
     the eager lowering returns empty outputs instead of executing the graph.
     On meta tensors execution computes nothing, and at 40 layers the graphs
     hold tens of thousands of ops whose code generation and op-by-op dispatch
-    made most of a plan's time."""
-    token = _PLANNING.set(True)
+    made most of a plan's time.
+
+    `kernels`: how the plan lowers quantization: "triton", zppc's custom ops
+    as a GPU compile does; "torch", the reference's aten ops as a CPU run
+    executes them (the graph whose ops a CPU cluster's cost model charges)."""
+    if kernels not in PLAN_KERNELS:
+        raise ValueError(f"planning(kernels=...) must be one of {PLAN_KERNELS}, got {kernels!r}")
+    token = _PLANNING.set(kernels)
     try:
         yield
     finally:
@@ -54,6 +61,11 @@ def planning() -> Iterator[None]:
 
 
 def is_planning() -> bool:
+    return _PLANNING.get() is not None
+
+
+def planned_kernels() -> str | None:
+    """The quantization kernels the plan being compiled lowers to (None: not a plan)."""
     return _PLANNING.get()
 
 

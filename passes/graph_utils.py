@@ -27,13 +27,15 @@ def lowers_to_triton_kernels(val: torch.Tensor) -> bool:
     """Whether a pass lowers quantization to zppc's Triton custom ops (one node
     each) rather than inlining the torch reference's aten ops for Inductor.
 
-    On CUDA, and in a plan (`zppc.passes.planning()`, tensors on meta): a plan
-    describes a GPU cluster (the cost model's devices are GPUs), so it builds
-    the graph a GPU compile would. The payloads, and so the bytes on the wire,
-    are the same either way."""
-    from zppc.passes import is_planning
+    On CUDA, and in a plan (`zppc.passes.planning()`, tensors on meta) unless
+    it asks for the CPU's torch kernels: a plan describes a GPU cluster by
+    default, so it builds the graph a GPU compile would. The payloads, and so
+    the bytes on the wire, are the same either way."""
+    from zppc.passes import planned_kernels
 
-    return val.device.type == "cuda" or (val.device.type == "meta" and is_planning())
+    return val.device.type == "cuda" or (
+        val.device.type == "meta" and planned_kernels() == "triton"
+    )
 
 
 @dataclass(frozen=True)

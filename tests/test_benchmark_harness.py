@@ -48,6 +48,32 @@ def test_quick_run_builds_measures_and_removes_the_cluster(tmp_path):
     for name in ("zppc-zero3-qwz-int8", "zppc-zero3-qgz"):
         assert rows[name]["wire_bytes"] < rows["zppc-zero3"]["wire_bytes"]
     assert (tmp_path / "bench.png").stat().st_size > 0
+    # The run records one thread's rates for benchmarks/predict.py.
+    rates = report["machine_rates"]
+    assert rates["flops_per_second"] > 0 and rates["memory_bytes_per_second"] > 0
+
+
+def test_machine_rates_count_bytes_as_the_cost_model_does(monkeypatch):
+    """benchmarks/machine.py: the elementwise rate is the round trip's aten
+    bytes (zppc.cost.node_bytes) over its time; the FLOP rate a matmul's."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import machine
+
+    monkeypatch.setattr(machine, "_median_seconds", lambda fn: 0.5)
+    rates = machine.measure_rates()
+    assert rates["flops_per_second"] == 2 * 512 * 256 * 768 / 0.5
+    # Quantize: pad, abs, amax, where, mul, floor, clamp, casts...; dequantize
+    # back: several passes over the 256 KiB shard, each counted once.
+    assert 10 * 2**18 < rates["memory_bytes_per_second"] * 0.5 < 100 * 2**18
+
+
+def test_predict_refuses_an_inductor_run():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from predict import predictions
+
+    report = {"args": {"lowering": "inductor"}, "links": []}
+    with pytest.raises(SystemExit, match="inductor run fuses"):
+        predictions(report)
 
 
 def test_refuses_without_privileges_or_tools(monkeypatch, capsys):

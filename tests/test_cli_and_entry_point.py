@@ -153,6 +153,9 @@ FLAG_CHANGES = [
     ((), ("--bucket-mb", "0.01")),
     (("--bucket-mb", "0.01"), ("--prefetch", "0")),
     ((), ("--keep-gathered-mb", "1")),
+    # The cost model's compute: memory-bound ops, and the CPU's quantization ops.
+    ((), ("--memory-bw", "1GB/s")),
+    (("--qwz", "int8", "--memory-bw", "1GB/s"), ("--kernels", "torch")),
 ]
 
 
@@ -179,6 +182,9 @@ def test_every_config_flag_reaches_the_schedule(capsys):
         (["--qgz", "int4", "--node-size", "3"], "16 % 3"),
         (["--strategy", "rtp", "--osp", "0.5"], "not implemented"),
         (["--osp", "1.5"], "osp"),
+        (["--qwz", "int8", "--kernels", "torch"], "without --memory-bw"),
+        (["--memory-bw", "fast"], "cannot read the bandwidth"),
+        (["--tokens-per-rank", "0"], "at least 1"),
     ],
 )
 def test_schedule_refuses_what_it_cannot_plan(flags, words):

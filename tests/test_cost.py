@@ -13,7 +13,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from zppc.cli import main
-from zppc.cost import DEVICES, Links, graph_flops, parse_rate, parse_time
+from zppc.cost import DEVICES, Compute, Links, graph_flops, node_bytes, parse_rate, parse_time
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -49,6 +49,41 @@ def test_flops_of_a_traced_graph_are_torchs_formulas():
 
     gm = make_fx(f, tracing_mode="fake")(torch.randn(7, 5), torch.randn(5, 3), torch.randn(3, 2))
     assert graph_flops(gm) == 2 * 7 * 5 * 3 + 2 * 7 * 3 * 2
+
+
+def test_each_op_costs_the_longer_of_its_flops_and_its_bytes():
+    """The roofline: a matrix product at the FLOP rate, a pointwise op at the
+    memory rate, by the bytes it reads and writes; a view moves nothing."""
+
+    def f(a, b):
+        return (a @ b).relu().t()
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(64, 32), torch.randn(32, 16))
+    mm, relu, t = (n for n in gm.graph.nodes if n.op == "call_function")
+    assert node_bytes(mm) == 4 * (64 * 32 + 32 * 16 + 64 * 16)
+    assert node_bytes(relu) == 4 * 2 * 64 * 16 and node_bytes(t) == 0
+    rates = Compute(flops_per_second=1e6, memory_bytes_per_second=1e5)
+    assert rates.seconds(mm) == pytest.approx(max(2 * 64 * 32 * 16 / 1e6, node_bytes(mm) / 1e5))
+    assert rates.seconds(relu) == pytest.approx(node_bytes(relu) / 1e5)
+    # Tokens scale the FLOPs; bytes are the traced ones.
+    assert rates.seconds(mm, 100.0) == pytest.approx(100 * 2 * 64 * 32 * 16 / 1e6)
+    assert Compute(1e6).seconds(relu) == 0.0  # no memory rate: FLOPs only
+    with pytest.raises(ValueError, match="memory_bytes_per_second must be positive"):
+        Compute(1e6, 0.0)
+
+
+def test_memory_bandwidth_reaches_the_plan(capsys):
+    flops_only = _plan(capsys, "--tflops", "1")["totals"]
+    charged = _plan(capsys, "--tflops", "1", "--memory-bw", "1GB/s")["totals"]
+    faster = _plan(capsys, "--tflops", "1", "--memory-bw", "2GB/s")["totals"]
+    assert flops_only["flops"] == charged["flops"]
+    assert charged["compute_seconds"] > faster["compute_seconds"] > flops_only["compute_seconds"]
+    # "device": the device's published bandwidth; none given: FLOPs only.
+    device = _plan(capsys, "--device", "V100", "--memory-bw", "device")["totals"]
+    v100 = _plan(capsys, "--device", "V100", "--memory-bw", "900GB/s")["totals"]
+    assert device["compute_seconds"] == pytest.approx(v100["compute_seconds"])
+    peak = _plan(capsys, "--device", "V100")["totals"]
+    assert peak["compute_seconds"] == pytest.approx(peak["flops"] / DEVICES["V100"][1])
 
 
 def test_links_cost_latency_plus_bytes_over_bandwidth():
@@ -312,9 +347,11 @@ def test_node_link_bytes_follow_the_ring_and_reach_the_papers_ratio(capsys):
 def test_the_plan_predicts_a_recorded_cluster_run():
     """benchmarks/predict.py on the twelfth run (benchmarks/RESULTS.md): the
     cost model read as that cluster (the node's shared link at its measured
-    rate, gloo's algorithms), its compute rate calibrated on zppc-zero3 at
-    1 Gbit/s. zero3 at 100 Mbit/s is a prediction, and must land within 25%
-    of what was measured; ZeRO++ must come out faster than zero3, as measured."""
+    rate, gloo's algorithms, the eager CPU graph's ops at one thread's
+    recorded rates), scaled by one factor calibrated on zppc-zero3 at 1 Gbit/s.
+    Every other row is a prediction, and zero3 and ZeRO++ at both link speeds
+    must land within 25% of what was measured (issue 14's goal); at 100 Mbit/s,
+    where the measured gap is 3.7x, ZeRO++ must come out faster."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -328,10 +365,15 @@ def test_the_plan_predicts_a_recorded_cluster_run():
     assert calibrated["predicted_seconds"] == pytest.approx(
         calibrated["measured_seconds"], rel=1e-3
     )
-    zero3 = rows["100mbit", "zppc-zero3"]
-    assert abs(zero3["predicted_seconds"] / zero3["measured_seconds"] - 1) < 0.25, zero3
     for link in ("1gbit", "100mbit"):
-        assert (
-            rows[link, "zppc-zero++"]["predicted_seconds"]
-            < rows[link, "zppc-zero3"]["predicted_seconds"]
-        )
+        for config in ("zppc-zero3", "zppc-zero++"):
+            row = rows[link, config]
+            assert abs(row["predicted_seconds"] / row["measured_seconds"] - 1) < 0.25, row
+    assert (
+        rows["100mbit", "zppc-zero++"]["predicted_seconds"]
+        < rows["100mbit", "zppc-zero3"]["predicted_seconds"] / 2
+    )
+    # The rates are this machine's, scaled alike, not fitted one by one.
+    one_thread = calibration["one_thread_rates"]
+    for key in ("flops_per_second", "memory_bytes_per_second"):
+        assert calibration[key] == pytest.approx(one_thread[key] / calibration["slowdown"])

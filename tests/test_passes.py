@@ -239,3 +239,9 @@ def test_a_plan_lowers_quantization_as_a_gpu_compile_does():
     assert not lowers_to_triton_kernels(meta) and not lowers_to_triton_kernels(cpu)
     with planning():
         assert lowers_to_triton_kernels(meta) and not lowers_to_triton_kernels(cpu)
+    # A CPU cluster's plan (benchmarks/predict.py) asks for the CPU's graph.
+    with planning(kernels="torch"):
+        assert not lowers_to_triton_kernels(meta)
+    with pytest.raises(ValueError, match="must be one of"):
+        with planning(kernels="cuda"):
+            pass

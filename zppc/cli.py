@@ -66,10 +66,13 @@ _REFINES = {
 }
 
 
-def _model_and_inputs(spec: str, seq: int):
-    """A built-in model (`zppc.models.PRESETS`) on `seq` tokens, or
-    `package.module:factory`, a callable returning `(model, example_inputs)`.
-    Returns the model, its inputs and the tokens traced (None for a factory)."""
+def _model_and_inputs(spec: str, seq: int | None, tokens_per_rank: int):
+    """A built-in model (`zppc.models.PRESETS`) on sequences of `seq` tokens
+    (default: its block size, at most `tokens_per_rank`), as many as make
+    `tokens_per_rank`; or `package.module:factory`, a callable returning
+    `(model, example_inputs)`. Returns the model, its inputs and the tokens
+    traced (None for a factory). On meta, tracing every token costs nothing, and
+    the activations' bytes are then the step's own."""
     import importlib
 
     import torch
@@ -78,8 +81,10 @@ def _model_and_inputs(spec: str, seq: int):
 
     if spec in PRESETS:
         cfg = PRESETS[spec]
-        tokens = min(seq, cfg.block_size)
-        return GPT(cfg), (torch.randint(0, cfg.vocab_size, (1, tokens)),), tokens
+        tokens = min(seq or tokens_per_rank, cfg.block_size)
+        batch = max(1, tokens_per_rank // tokens)
+        inputs = (torch.randint(0, cfg.vocab_size, (batch, tokens)),)
+        return GPT(cfg), inputs, batch * tokens
     module_name, _, attr = spec.partition(":")
     if not attr:
         raise SystemExit(
@@ -116,7 +121,7 @@ def _settings(args: argparse.Namespace):
     import torch
 
     import zppc
-    from zppc.cost import Links, flops_per_second, parse_rate, parse_time
+    from zppc.cost import Links, device_rates, parse_rate, parse_time
 
     if args.node_size > args.world_size:
         raise SystemExit(
@@ -126,6 +131,12 @@ def _settings(args: argparse.Namespace):
         raise SystemExit(
             f"zppc schedule: --rank must be in [0, {args.world_size}), got {args.rank}"
         )
+    if args.seq is not None and args.seq < 1:
+        raise SystemExit(f"zppc schedule: --seq must be at least 1, got {args.seq}")
+    if args.tokens_per_rank < 1:
+        raise SystemExit(
+            f"zppc schedule: --tokens-per-rank must be at least 1, got {args.tokens_per_rank}"
+        )
     if args.jobs < 1:
         raise SystemExit(f"zppc schedule: --jobs must be at least 1, got {args.jobs}")
     for flag, needs in _REFINES.items():
@@ -133,6 +144,11 @@ def _settings(args: argparse.Namespace):
             raise SystemExit(
                 f"zppc schedule: --{flag.replace('_', '-')} changes nothing without --{needs}"
             )
+    if args.kernels == "torch" and args.memory_bw is None:
+        raise SystemExit(
+            "zppc schedule: --kernels torch changes nothing without --memory-bw: the "
+            "quantization ops' FLOPs are the same either way, only their bytes differ"
+        )
     if args.osp_split == "magnitude":
         raise SystemExit(
             "zppc schedule: --osp-split magnitude picks stage 2 from the gradients' measured "
@@ -171,7 +187,10 @@ def _settings(args: argparse.Namespace):
             gloo=args.backend == "gloo",
         )
         half = param_dtype in (torch.bfloat16, torch.float16)
-        rate = flops_per_second(args.device, args.tflops, half)
+        memory = (
+            args.memory_bw if args.memory_bw in (None, "device") else parse_rate(args.memory_bw)
+        )
+        rate = device_rates(args.device, args.tflops, half, memory)
     except (ValueError, NotImplementedError) as exc:
         raise SystemExit(f"zppc schedule: {exc}") from None
     return config, links, rate
@@ -196,7 +215,9 @@ def _plan(args: argparse.Namespace) -> dict:
         # Shards stay on meta under the fake group, so the step runs on shapes
         # only, whatever the model's size.
         with torch.device("meta"):
-            model, inputs, traced_tokens = _model_and_inputs(args.model, args.seq)
+            model, inputs, traced_tokens = _model_and_inputs(
+                args.model, args.seq, args.tokens_per_rank
+            )
         try:
             zppc.distribute(model, config)  # its checks cover the topology (hpz: world % node)
         except ValueError as exc:
@@ -204,7 +225,7 @@ def _plan(args: argparse.Namespace) -> dict:
         step = torch.compile(model, backend="zppc")
         # The loss is taken from the output outside the graph (cross-entropy has
         # no autograd formula on meta); the collectives do not depend on it.
-        with planning():
+        with planning(args.kernels):
             _first_tensor(step(*inputs)).float().square().mean().backward()
         graphs = [
             (kind, record.final[kind], graph_schedule(record.final[kind], kind, args.rank))
@@ -212,8 +233,9 @@ def _plan(args: argparse.Namespace) -> dict:
             for kind in ("forward", "backward")
             if kind in record.final
         ]
-        # The graphs were traced on `traced_tokens`; matrix products scale with
-        # tokens (a factory's model computes on its example inputs as they are).
+        # The graphs were traced on `traced_tokens` (the tokens per rank, rounded
+        # down to whole sequences); FLOPs scale to the tokens computed (a
+        # factory's model computes on its example inputs as they are).
         scale = args.tokens_per_rank / traced_tokens if traced_tokens else 1.0
         estimate = simulate(graphs, links, rate, flop_scale=scale)
         flops = sum(graph_flops(gm) for _, gm, _ in graphs) * scale
@@ -364,7 +386,9 @@ def _print_table(plan, args, other, other_args, out) -> None:
         f"{args.intra_bw if args.intra_gbps is None else f'{args.intra_gbps:g}Gbit/s'} intra, "
         f"{args.inter_bw if args.inter_gbps is None else f'{args.inter_gbps:g}Gbit/s'} inter, "
         f"latency {args.latency}; {args.tokens_per_rank} tokens per rank at "
-        f"{f'{args.tflops:g} TFLOP/s' if args.tflops else args.device}",
+        f"{f'{args.tflops:g} TFLOP/s' if args.tflops else args.device}"
+        f"{f', memory {args.memory_bw}' if args.memory_bw else ''}"
+        f"{', torch kernels' if args.kernels == 'torch' else ''}",
         file=out,
     )
     print(
@@ -460,7 +484,13 @@ def main(argv: list[str] | None = None) -> int:
         default=0.0,
         help="zero3: MiB of the last-used weights kept gathered from forward to backward",
     )
-    s.add_argument("--seq", type=int, default=8, help="tokens traced (bytes do not depend on it)")
+    s.add_argument(
+        "--seq",
+        type=int,
+        default=None,
+        help="tokens per traced sequence (default: the model's block size, at most "
+        "--tokens-per-rank); the trace holds as many sequences as make --tokens-per-rank",
+    )
     s.add_argument(
         "--tokens-per-rank",
         type=int,
@@ -495,6 +525,20 @@ def main(argv: list[str] | None = None) -> int:
         "bfloat16/float16, else float32)",
     )
     s.add_argument("--tflops", type=float, default=None, help="compute rate instead of --device")
+    s.add_argument(
+        "--memory-bw",
+        default=None,
+        help="memory bandwidth, e.g. 900GB/s, or 'device' for the --device's published one: "
+        "each op then costs the longer of its FLOPs and the bytes it reads and writes, as the "
+        "eager lowering runs it (unfused: on a GPU an upper bound; default: FLOPs only)",
+    )
+    s.add_argument(
+        "--kernels",
+        choices=["triton", "torch"],
+        default="triton",
+        help="quantization as zppc's Triton kernels (a GPU compile's graph) or as the torch "
+        "reference's ops (what a CPU run executes, for a CPU cluster's plan)",
+    )
     s.add_argument(
         "--compare",
         default=None,

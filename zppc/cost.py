@@ -3,8 +3,11 @@
 Communication: each collective costs the links' latency plus the bytes this
 rank receives over each link class divided by that link's bandwidth (intra- and
 inter-node bytes come from the schedule, which matches the live ledger).
-Compute: the FLOPs of the final graphs' matrix products (torch's own FLOP
-formulas, on the traced shapes) at a stated rate. The step time replays each
+Compute: each node of the final graphs costs its FLOPs (torch's own formulas,
+on the traced shapes) at the device's FLOP rate, or, given a memory rate, the
+longer of that and the bytes it reads and writes at that rate (the roofline;
+views move nothing). The
+step time replays each
 final graph in program order on two clocks, compute and communication: a
 collective starts when it is issued and its link is free, and a wait holds
 compute until the collective it waits for is done. With every wait right after
@@ -18,16 +21,21 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
+import torch
 from torch import fx
+from torch._ops import OpOverload
 from torch.utils.flop_counter import flop_registry
 
-# Published dense peak FLOP/s, (16-bit tensor cores, float32): NVIDIA's data
-# sheets (V100 SXM2, A100 SXM4, H100 SXM5, H200 SXM).
+import zppc.runtime.collectives  # noqa: F401  (registers zppc::record_comm, zppc::take_shard)
+
+# Published dense peak FLOP/s (16-bit tensor cores, float32) and memory
+# bandwidth (bytes/s): NVIDIA's data sheets (V100 SXM2 32 GB, A100 SXM4 80 GB,
+# H100 SXM5, H200 SXM).
 DEVICES = {
-    "V100": (125e12, 15.7e12),
-    "A100": (312e12, 19.5e12),
-    "H100": (989e12, 67e12),
-    "H200": (989e12, 67e12),
+    "V100": (125e12, 15.7e12, 900e9),
+    "A100": (312e12, 19.5e12, 2039e9),
+    "H100": (989e12, 67e12, 3.35e12),
+    "H200": (989e12, 67e12, 4.8e12),
 }
 
 _RATE_UNITS = {
@@ -94,6 +102,9 @@ class Links:
 # between nodes, 5 us per collective.
 DEFAULT_LINKS = Links(300e9, 100e9 / 8, 5e-6)
 
+# Ops that touch no tensor data: the ledger hook reads only its input's size.
+_MOVES_NOTHING = {torch.ops.zppc.record_comm.default, torch.ops.aten._unsafe_view.default}
+
 
 def node_flops(node: fx.Node) -> int:
     """FLOPs of one graph node by torch's formulas (0 for ops without one)."""
@@ -111,6 +122,51 @@ def node_flops(node: fx.Node) -> int:
 
 def graph_flops(gm: fx.GraphModule) -> int:
     return sum(node_flops(n) for n in gm.graph.nodes)
+
+
+def _tensor_bytes(value) -> int:
+    leaves = value if isinstance(value, (list, tuple)) else [value]
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+
+
+def node_bytes(node: fx.Node) -> int:
+    """Bytes one graph node reads and writes in memory: its tensor inputs and
+    outputs, by their traced metadata. A view, or a node that only reads
+    metadata (the ledger hook), moves none; `zppc::take_shard` reads the slice
+    it copies, not the whole flat tensor."""
+    if node.op != "call_function" or node.target in _MOVES_NOTHING:
+        return 0
+    if getattr(node.target, "is_view", False) or not isinstance(node.target, OpOverload):
+        return 0
+    out = _tensor_bytes(node.meta.get("val"))
+    if node.target is torch.ops.zppc.take_shard.default:
+        return 2 * out
+    return out + sum(_tensor_bytes(n.meta.get("val")) for n in node.all_input_nodes)
+
+
+@dataclass(frozen=True)
+class Compute:
+    """A device's rates. A node costs max(FLOPs / flops_per_second, bytes /
+    memory_bytes_per_second): a matrix product is bound by its FLOPs, a
+    pointwise op or a quantization kernel by its bytes."""
+
+    flops_per_second: float
+    memory_bytes_per_second: float | None = None
+    """None: bytes are not charged (compute is FLOPs only)."""
+
+    def __post_init__(self):
+        for name in ("flops_per_second", "memory_bytes_per_second"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+
+    def seconds(self, node: fx.Node, token_scale: float = 1.0) -> float:
+        """`node`'s time; FLOPs scale with `token_scale` (the traced tokens to
+        the tokens computed), bytes are taken as traced."""
+        flop_seconds = node_flops(node) * token_scale / self.flops_per_second
+        if self.memory_bytes_per_second is None:
+            return flop_seconds
+        return max(flop_seconds, node_bytes(node) / self.memory_bytes_per_second)
 
 
 @dataclass(frozen=True)
@@ -168,7 +224,7 @@ def chrome_trace(timeline, pid: int = 0) -> dict:
 def simulate(
     graphs: list[tuple[str, fx.GraphModule, list]],
     links: Links,
-    flops_per_second: float,
+    compute: Compute | float,
     flop_scale: float = 1.0,
 ) -> StepEstimate:
     """Replay `graphs` (name, graph, its schedule entries in program order) on
@@ -179,14 +235,19 @@ def simulate(
     OSP's stage 2 has no wait: the step ends when compute and stage 1 are done
     (and not before the link could carry all of its bytes), and in the steady
     state the previous step's stage 2 still holds the link for as long as it
-    outlived that end (a second replay starts with it)."""
-    estimate, spill = _replay(graphs, links, flops_per_second, flop_scale, 0.0)
+    outlived that end (a second replay starts with it).
+
+    `compute`: the device's rates, or a FLOP rate alone (bytes not charged);
+    `flop_scale`: the tokens computed over the tokens traced."""
+    if not isinstance(compute, Compute):
+        compute = Compute(compute)
+    estimate, spill = _replay(graphs, links, compute, flop_scale, 0.0)
     if spill == 0.0:  # always without stage 2: every collective is waited
         return estimate
-    return _replay(graphs, links, flops_per_second, flop_scale, spill)[0]
+    return _replay(graphs, links, compute, flop_scale, spill)[0]
 
 
-def _replay(graphs, links, flops_per_second, flop_scale, carried: float):
+def _replay(graphs, links, rates: Compute, flop_scale, carried: float):
     """(the estimate, how long stage 2 outlives the step) with the link busy
     for `carried` seconds at the start."""
     from zppc.schedule import schedule_points
@@ -207,10 +268,10 @@ def _replay(graphs, links, flops_per_second, flop_scale, carried: float):
         span_start, span_flops = compute, 0
         for node in gm.graph.nodes:
             if node not in issue_of and node not in waits:
-                flops = node_flops(node) * flop_scale
-                compute += flops / flops_per_second
-                busy_compute += flops / flops_per_second
-                span_flops += flops
+                seconds = rates.seconds(node, flop_scale)
+                compute += seconds
+                busy_compute += seconds
+                span_flops += node_flops(node) * flop_scale
                 continue
             timeline.extend(_compute_span(name, span_start, compute, span_flops))
             if node in issue_of:
@@ -224,7 +285,7 @@ def _replay(graphs, links, flops_per_second, flop_scale, carried: float):
                     busy_comm += cost
                     timeline.append(_communication_span(name, entry, start, cost))
                     if point.wait is node:  # an RTP ring op: its transfers overlap its compute
-                        seconds = node_flops(node) * flop_scale / flops_per_second
+                        seconds = rates.seconds(node, flop_scale)
                         busy_compute += seconds
                         timeline.append(Span("compute", str(node.target), name, start, seconds))
                         compute = max(start + seconds, comm_free)
@@ -262,14 +323,25 @@ def _communication_span(graph: str, entry, start: float, seconds: float) -> Span
     )
 
 
-def flops_per_second(device: str | None, tflops: float | None, half_precision: bool) -> float:
-    """The compute rate: `tflops` if given, else the device's published peak for
-    the parameter dtype."""
+def device_rates(
+    device: str | None,
+    tflops: float | None,
+    half_precision: bool,
+    memory_bytes_per_second: float | str | None = None,
+) -> Compute:
+    """The compute rates: `tflops` if given, else the device's published peak
+    for the parameter dtype. Bytes are charged only with a memory rate: bytes/s,
+    or "device" for the device's published bandwidth. Each op is charged as the
+    eager lowering runs it; Inductor fuses chains of pointwise ops into one
+    kernel that reads and writes once, so on a GPU the charge is an upper bound
+    (and FLOPs only the lower one)."""
+    if device not in DEVICES and (tflops is None or memory_bytes_per_second == "device"):
+        raise ValueError(f"unknown device {device!r}; known: {sorted(DEVICES)}")
+    if memory_bytes_per_second == "device":
+        memory_bytes_per_second = DEVICES[device][2]
     if tflops is not None:
         if tflops <= 0:
             raise ValueError(f"--tflops must be positive, got {tflops}")
-        return tflops * 1e12
-    if device not in DEVICES:
-        raise ValueError(f"unknown device {device!r}; known: {sorted(DEVICES)}")
-    tensor, fp32 = DEVICES[device]
-    return tensor if half_precision else fp32
+        return Compute(tflops * 1e12, memory_bytes_per_second)
+    tensor, fp32, _ = DEVICES[device]
+    return Compute(tensor if half_precision else fp32, memory_bytes_per_second)

@@ -42,14 +42,20 @@ class Inspection:
     def schedule(self) -> list[ScheduledCollective]:
         return [c for record in self.compiles for c in record.schedule()]
 
-    def estimate(self, links=None, flops_per_second: float | None = None):
+    def estimate(
+        self,
+        links=None,
+        flops_per_second: float | None = None,
+        memory_bytes_per_second: float | None = None,
+    ):
         """The step replayed by zppc's cost model (`zppc.cost.simulate`) on the
-        final graphs: default links and rate are `zppc schedule`'s (300 GB/s
-        intra-node, 100 Gbit/s inter-node, 5 us, an A100's float32 peak); FLOPs
-        are those of the traced shapes."""
+        final graphs: default links and rates are `zppc schedule`'s (300 GB/s
+        intra-node, 100 Gbit/s inter-node, 5 us, an A100's float32 peak; bytes
+        charged only with a memory rate); FLOPs and bytes are those of the
+        traced shapes."""
         import torch.distributed as dist
 
-        from zppc.cost import DEFAULT_LINKS, DEVICES, simulate
+        from zppc.cost import DEFAULT_LINKS, device_rates, simulate
         from zppc.schedule import graph_schedule
 
         rank = dist.get_rank()
@@ -59,8 +65,9 @@ class Inspection:
             for kind in GRAPH_KINDS
             if kind in record.final
         ]
-        rate = flops_per_second or DEVICES["A100"][1]
-        return simulate(graphs, links or DEFAULT_LINKS, rate)
+        tflops = flops_per_second / 1e12 if flops_per_second else None
+        rates = device_rates("A100", tflops, False, memory_bytes_per_second)
+        return simulate(graphs, links or DEFAULT_LINKS, rates)
 
     def to_json(self) -> dict:
         """Every compile's config, passes (op changes, seconds), the weights kept
@@ -70,14 +77,21 @@ class Inspection:
             "compiles": [_record_json(record) for record in self.compiles],
         }
 
-    def to_chrome_trace(self, path, links=None, flops_per_second: float | None = None) -> None:
+    def to_chrome_trace(
+        self,
+        path,
+        links=None,
+        flops_per_second: float | None = None,
+        memory_bytes_per_second: float | None = None,
+    ) -> None:
         """Write the replayed step (see `estimate`) as a Chrome trace; Perfetto
         and chrome://tracing open it."""
         import torch.distributed as dist
 
         from zppc.cost import chrome_trace
 
-        trace = chrome_trace(self.estimate(links, flops_per_second).timeline, dist.get_rank())
+        estimate = self.estimate(links, flops_per_second, memory_bytes_per_second)
+        trace = chrome_trace(estimate.timeline, dist.get_rank())
         Path(path).write_text(json.dumps(trace))
 
     def __str__(self) -> str:
