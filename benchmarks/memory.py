@@ -1,0 +1,150 @@
+"""Peak memory of one training step per rank, zppc zero3 beside FSDP2, at
+several world sizes, on the fake process group (one process per row, no
+sockets: the collectives allocate their outputs, move nothing).
+
+    python benchmarks/memory.py                              # gpt-medium, worlds 2 and 4
+    python benchmarks/memory.py --worlds 2,4,8 --bucket-mb 25,4
+
+Each row runs in a fresh process: two warm-up steps (the compile), then two
+measured steps. Three figures per row, from /proc/self/status:
+
+- held: the resident set before the measured steps: the shards, gradients
+  and optimizer state, and what the process carries whatever the step does
+  (for a compiled model, dynamo's and Inductor's modules and graphs);
+- peak: the resident peak during the measured steps (VmHWM, reset first);
+- step: peak - held, what the steps add above that (an upper bound on what
+  one step's activations, gathered weights and gradients in flight need:
+  the allocator may keep what an earlier step freed, so held includes some).
+
+`torch-fsdp2-compile-stack` is FSDP2 in a process that also compiled a
+one-op function (dynamo, AOTAutograd and what they import): the part of a
+compiled model's footprint that no pass can change.
+
+MiB = 2^20 bytes. Ratios are to FSDP2 at the same world size, in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def measure(kind: str, world: int, bucket_mb: float, preset: str, batch: int) -> dict:
+    """One row, in this process: rank 0 of `world` on the fake process group."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import zppc
+    from zppc.models import GPT, PRESETS
+
+    torch.set_num_threads(1)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    torch.manual_seed(0)
+    cfg = PRESETS[preset]
+    model = GPT(cfg)
+    if kind == "torch-fsdp2-compile-stack":
+        # What any compiled model carries, the step aside: dynamo, AOTAutograd
+        # and the modules they load, brought in by a one-op compile.
+        warm = torch.compile(lambda x: (x * 2).sum(), backend="aot_eager")
+        warm(torch.ones(2, requires_grad=True)).backward()
+    if kind.startswith("torch-fsdp2"):
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        step = model
+    else:
+        config = zppc.Config(
+            strategy="zero3", lowering="eager", node_size=world, bucket_bytes=int(bucket_mb * 2**20)
+        )
+        zppc.distribute(model, config)
+        step = torch.compile(model, backend="zppc")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1))
+
+    def one_step():
+        step(tokens[:, :-1], tokens[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+
+    one_step()
+    one_step()
+    gc.collect()
+    held = _status_bytes("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    one_step()
+    one_step()
+    peak = _status_bytes("VmHWM")
+    dist.destroy_process_group()
+    return {
+        "config": kind,
+        "world": world,
+        "bucket_mb": bucket_mb if kind == "zppc-zero3" else None,
+        "held_bytes": held,
+        "peak_bytes": peak,
+        "step_bytes": peak - held,
+    }
+
+
+def _status_bytes(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024  # kB
+    raise KeyError(key)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="gpt-medium")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--worlds", default="2,4")
+    p.add_argument("--bucket-mb", default="25,12,4", help="zppc zero3's bucket caps, MiB")
+    p.add_argument("-o", "--output", type=Path, default=None, help="the rows as JSON")
+    p.add_argument("--row", default=None, help=argparse.SUPPRESS)  # one row, in a child
+    args = p.parse_args(argv)
+    if args.row:
+        kind, world, bucket = args.row.split(":")
+        row = measure(kind, int(world), float(bucket), args.preset, args.batch_size)
+        print(json.dumps(row))
+        return 0
+    worlds = [int(w) for w in args.worlds.split(",")]
+    buckets = [float(b) for b in args.bucket_mb.split(",")]
+    rows = []
+    for world in worlds:
+        configs = [("torch-fsdp2", 0.0), ("torch-fsdp2-compile-stack", 0.0)]
+        for kind, bucket in configs + [("zppc-zero3", b) for b in buckets]:
+            child = [sys.executable, __file__, "--preset", args.preset, "--batch-size"]
+            child += [str(args.batch_size), "--row", f"{kind}:{world}:{bucket}"]
+            done = subprocess.run(child, capture_output=True, text=True, timeout=1800)
+            if done.returncode != 0:
+                raise SystemExit(f"{kind} at world {world} failed:\n{done.stderr[-3000:]}")
+            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(f"  {kind} world {world} bucket {bucket:g} MiB: done", file=sys.stderr)
+    print(f"{args.preset}, batch {args.batch_size}, AdamW, fake process group; MiB = 2^20 bytes\n")
+    print("| world | configuration | held (MiB) | peak (MiB) | vs FSDP2 | step (MiB) | vs FSDP2 |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    for world in worlds:
+        same = [r for r in rows if r["world"] == world]
+        fsdp2 = next(r for r in same if r["config"] == "torch-fsdp2")
+        for r in same:
+            name = r["config"] + (f", {r['bucket_mb']:g} MiB buckets" if r["bucket_mb"] else "")
+            print(
+                f"| {world} | {name} | {r['held_bytes'] / 2**20:,.0f} | "
+                f"{r['peak_bytes'] / 2**20:,.0f} | {r['peak_bytes'] / fsdp2['peak_bytes']:.2f}x | "
+                f"{r['step_bytes'] / 2**20:,.0f} | {r['step_bytes'] / fsdp2['step_bytes']:.2f}x |"
+            )
+    if args.output:
+        args.output.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
