@@ -6,7 +6,9 @@
 For each link speed, builds the cluster (benchmarks/cluster.py), measures the
 shaped link, then runs every configuration (benchmarks/worker.py) with the same
 model, data, seed and steps. Configurations that cannot run here are listed
-with the reason, never skipped silently. Prints a markdown table and writes
+with the reason, never skipped silently; a peer's (not zppc's) row whose run
+fails is run once more, the first failure kept in the row as
+`retried_after`. Prints a markdown table and writes
 bench.json and bench.png into --out.
 """
 
@@ -81,6 +83,18 @@ def rate_bits(rate: str) -> float:
     raise ValueError(f"rate must end in kbit, mbit or gbit, got {rate!r}")
 
 
+def run_row(cluster: EmulatedCluster, name: str, args) -> dict:
+    """One configuration's row: its results, or why it failed."""
+    try:
+        return {**run_config(cluster, name, args), "status": "ok"}
+    except ClusterError as exc:
+        return {
+            "config": name,
+            "status": f"failed: {str(exc).splitlines()[0]}",
+            "log": str(exc)[-2000:],
+        }
+
+
 def run_config(cluster: EmulatedCluster, name: str, args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         result_path = Path(tmp) / "result.json"
@@ -135,15 +149,12 @@ def main(argv=None) -> int:
                     link["rows"].append({"config": name, "status": f"not runnable: {reason}"})
                     continue
                 print(f"  {name} ...", flush=True)
-                try:
-                    row = run_config(cluster, name, args)
-                    row["status"] = "ok"
-                except ClusterError as exc:
-                    row = {
-                        "config": name,
-                        "status": f"failed: {str(exc).splitlines()[0]}",
-                        "log": str(exc)[-2000:],
-                    }
+                row = run_row(cluster, name, args)
+                if row["status"] != "ok" and not name.startswith("zppc"):
+                    # A peer's gloo rank dies now and then on a busy 2-core
+                    # machine (SIGABRT at start-up); one retry, on the record.
+                    print(f"  {name} failed ({row['status']}); once more", flush=True)
+                    row = {**run_row(cluster, name, args), "retried_after": row}
                 link["rows"].append(row)
             report["links"].append(link)
         report["namespaces_removed"] = not cluster.exists()
