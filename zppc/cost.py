@@ -6,13 +6,11 @@ inter-node bytes come from the schedule, which matches the live ledger).
 Compute: each node of the final graphs costs its FLOPs (torch's own formulas,
 on the traced shapes) at the device's FLOP rate, or, given a memory rate, the
 longer of that and the bytes it reads and writes at that rate (the roofline;
-views move nothing). The
-step time replays each
-final graph in program order on two clocks, compute and communication: a
-collective starts when it is issued and its link is free, and a wait holds
-compute until the collective it waits for is done. With every wait right after
-its issue (zppc today) that is the serial sum; any overlap a pass creates
-shows up as a shorter step.
+views move nothing). The step time replays each final graph in program order
+on two clocks, compute and communication: a collective starts when it is
+issued and its link is free, and a wait holds compute until the collective it
+waits for is done. With every wait right after its issue that is the serial
+sum; any overlap a pass creates shows up as a shorter step.
 """
 
 from __future__ import annotations
@@ -163,7 +161,11 @@ class Compute:
     def seconds(self, node: fx.Node, token_scale: float = 1.0) -> float:
         """`node`'s time; FLOPs scale with `token_scale` (the traced tokens to
         the tokens computed), bytes are taken as traced."""
-        flop_seconds = node_flops(node) * token_scale / self.flops_per_second
+        return self.seconds_of(node, node_flops(node) * token_scale)
+
+    def seconds_of(self, node: fx.Node, flops: float) -> float:
+        """`node`'s time given its (scaled) FLOPs, for a caller that has them."""
+        flop_seconds = flops / self.flops_per_second
         if self.memory_bytes_per_second is None:
             return flop_seconds
         return max(flop_seconds, node_bytes(node) / self.memory_bytes_per_second)
@@ -268,10 +270,11 @@ def _replay(graphs, links, rates: Compute, flop_scale, carried: float):
         span_start, span_flops = compute, 0
         for node in gm.graph.nodes:
             if node not in issue_of and node not in waits:
-                seconds = rates.seconds(node, flop_scale)
+                flops = node_flops(node) * flop_scale
+                seconds = rates.seconds_of(node, flops)
                 compute += seconds
                 busy_compute += seconds
-                span_flops += node_flops(node) * flop_scale
+                span_flops += flops
                 continue
             timeline.extend(_compute_span(name, span_start, compute, span_flops))
             if node in issue_of:
