@@ -4,7 +4,7 @@ The pure-torch functions are the definition; the `qgz` pass inlines them into
 the backward graph off CUDA, so Inductor fuses each hop's dequantize + sum with
 the next hop's requantize. On CUDA the step between the hops is one Triton
 kernel (`zppc::dequantize_sum_requantize`), bit-identical to the reference. Payload rows
-use `quant.PayloadLayout` (fp32 block scales, then int8 or packed int4 values):
+use `quant.PayloadLayout` (bf16 block scales, then int8 or packed int4 values):
 one row per destination rank.
 
 Sums run over the received rows in a fixed order (row 0 first, then 1, ...) in
@@ -26,7 +26,13 @@ from zppc.kernels.quant import (
 if HAS_TRITON:
     import triton
     import triton.language as tl
-    from zppc.kernels.quant import load_quantized, round_clamp
+    from zppc.kernels.quant import (
+        block_scale,
+        load_quantized,
+        load_scale,
+        round_clamp,
+        store_scale,
+    )
 
 
 def reorder_for_two_hops(flat: Tensor, nodes: int, per_node: int) -> Tensor:
@@ -86,10 +92,8 @@ if HAS_TRITON:
         acc = tl.zeros(e.shape, tl.float32)
         for p in range(peers):
             row = payload_ptr + tl.cast(p, tl.int64) * row_bytes
-            scale = tl.load(
-                row.to(tl.pointer_type(tl.float32), bitcast=True) + e // BLOCK, mask=mask, other=0.0
-            )
-            q = load_quantized(row + 4 * nblocks, e, mask, INT4)
+            scale = load_scale(row, e // BLOCK, mask)
+            q = load_quantized(row + 2 * nblocks, e, mask, INT4)
             acc += q.to(tl.float32) * scale
         return acc
 
@@ -114,7 +118,7 @@ if HAS_TRITON:
         b = tl.program_id(0)
         k = tl.program_id(1)
         out_row = out_ptr + k.to(tl.int64) * out_row_bytes
-        out_values = out_row + 4 * out_nblocks
+        out_values = out_row + 2 * out_nblocks
         if OUT_INT4:
             half = tl.arange(0, BLOCK_POW2 // 2)
             even = b * BLOCK + 2 * half
@@ -125,7 +129,7 @@ if HAS_TRITON:
             lo = _sum_received(payload_ptr, peers, row_bytes, nblocks, e, lo_mask, BLOCK, INT4)
             hi = _sum_received(payload_ptr, peers, row_bytes, nblocks, e + 1, hi_mask, BLOCK, INT4)
             amax = tl.maximum(tl.max(tl.abs(lo), axis=0), tl.max(tl.abs(hi), axis=0))
-            inv = tl.where(amax > 0, tl.math.div_rn(OUT_QMAX * 1.0, amax), 0.0)
+            scale, inv = block_scale(amax, OUT_QMAX)
             byte = (round_clamp(lo * inv, OUT_QMAX) & 0xF) | (
                 (round_clamp(hi * inv, OUT_QMAX) & 0xF) << 4
             )
@@ -136,18 +140,14 @@ if HAS_TRITON:
             mask = (offs < BLOCK) & (idx < shard)
             e = k.to(tl.int64) * shard + idx
             acc = _sum_received(payload_ptr, peers, row_bytes, nblocks, e, mask, BLOCK, INT4)
-            amax = tl.max(tl.abs(acc), axis=0)
-            inv = tl.where(amax > 0, tl.math.div_rn(OUT_QMAX * 1.0, amax), 0.0)
+            scale, inv = block_scale(tl.max(tl.abs(acc), axis=0), OUT_QMAX)
             q = round_clamp(acc * inv, OUT_QMAX)
             tl.store(
                 out_values.to(tl.pointer_type(tl.int8), bitcast=True) + idx,
                 q.to(tl.int8),
                 mask=mask,
             )
-        tl.store(
-            out_row.to(tl.pointer_type(tl.float32), bitcast=True) + b,
-            tl.math.div_rn(amax, OUT_QMAX * 1.0),
-        )
+        store_scale(out_row, b, scale)
 
 
 def dequantize_sum_requantize_triton(

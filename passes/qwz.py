@@ -4,7 +4,7 @@ Requires: the `zero` pass (it tags the wait node of every parameter
 all-gather). Runs on the forward graph and on the backward graph (the zero3
 re-gather), except on hpZ's gathers inside the node, which stay unquantized.
 
-Rewrite, per gather: local shard -> quantize-and-pack (fp32 block scales
+Rewrite, per gather: local shard -> quantize-and-pack (bf16 block scales
 followed by int8 or packed int4 values, one uint8 payload) -> one all-gather
 of the payloads -> unpack-and-dequantize to the shard's dtype. Data and
 scales travel in a single collective. On CUDA the two steps are the Triton

@@ -70,7 +70,7 @@ def test_schedule_qwz_moves_fewer_bytes(capsys):
         assert main(args + (["--qwz", qwz] if qwz else [])) == 0
         rows = json.loads(capsys.readouterr().out)["collectives"]
         sizes[qwz] = sum(r["bytes_per_peer"] for r in rows if r["kind"] == "all_gather")
-    # A quarter of fp32, plus one fp32 scale per block and 4-byte alignment.
+    # A quarter of fp32, plus one bf16 scale per block and 4-byte alignment.
     assert 0.25 <= sizes["int8"] / sizes[None] <= 0.26
 
 
@@ -122,7 +122,7 @@ def test_schedule_rtp_plans_the_ring(capsys):
     assert all(r["intra_node_bytes"] == 0 for r in rows[3] if r["ring"])
     wte_shard = -(-cfg.vocab_size // 16) * cfg.n_embd * 4
     assert ring[0]["bytes_per_peer"] == 15 * wte_shard
-    # With qwZ int8 each hop is the shard's payload: one float32 scale per
+    # With qwZ int8 each hop is the shard's payload: one bf16 scale per
     # block of 2048, then a byte per value; the unquantized size is kept.
     assert main([*args, "--strategy", "rtp", "--qwz", "int8", "--rank", "0"]) == 0
     quantized = [r for r in json.loads(capsys.readouterr().out)["collectives"] if r["ring"]]

@@ -50,9 +50,10 @@ def test_round_trip_within_half_a_step(bits, dtype):
         assert payload.numel() == quant.PayloadLayout(n, block, bits).nbytes
         y = quant.unpack_dequantize(payload, 1, n, block, bits, torch.float32)
         layout = quant.PayloadLayout(n, block, bits)
-        scale = payload[: layout.scale_bytes].view(torch.float32)
+        scale = payload[: layout.scale_bytes].view(quant.SCALE_DTYPE).float()
         step = scale.repeat_interleave(block)[:n]
-        # Half a step, plus the rounding of the scale itself and of the output.
+        # Half a step of the rounded scale the values were quantized against,
+        # plus the rounding of the output.
         assert ((x.float() - y).abs() <= step / 2 * (1 + 1e-5) + 1e-30).all()
 
 
@@ -67,6 +68,23 @@ def test_signal_to_noise_on_gaussian_data(bits, floor_db, dtype):
     measured = snr_db(x.float(), y.float())
     print(f"int{bits} {dtype}: SNR {measured:.1f} dB")
     assert measured >= floor_db
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_scales_are_bf16_rounded_to_nearest_even(bits):
+    """absmax / qmax = 1 + 3 * 2^-8 lies halfway between two bf16 values: the
+    scale is the even one, 1 + 2^-6 (truncation would give 1 + 2^-7), in the
+    reference and the kernel alike."""
+    qmax = quant.QMAX[bits]
+    x = torch.tensor([qmax * (1 + 3 * 2**-8), -1.0, 0.5, 0.0])
+    ways = [quant.quantize_pack_reference]
+    if quant.HAS_TRITON:
+        ways.append(quant.quantize_pack_triton)
+    for quantize in ways:
+        payload = quantize(x, 4, bits)
+        assert payload[:2].view(torch.bfloat16).item() == 1 + 2**-6
+        y = quant.unpack_dequantize_reference(payload, 1, 4, 4, bits, torch.float32)
+        assert y[0] == qmax * (1 + 2**-6)  # q = qmax against the rounded scale
 
 
 def test_zero_block_does_not_divide_by_zero():

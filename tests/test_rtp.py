@@ -102,7 +102,7 @@ def test_rtp_plan_ring_bytes_and_saved_tensors():
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("qwz,bits", [("int8", 8), ("int4", 4)])
 def test_rtp_qwz_hops_carry_quantized_payloads(qwz, bits):
-    """With qwZ every weight hop is one payload (a float32 scale per block of
+    """With qwZ every weight hop is one payload (a bf16 scale per block of
     64, then the values); partial sums stay float32. Run, plan and the
     unquantized size all agree with the shapes."""
     world = 4

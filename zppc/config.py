@@ -21,9 +21,9 @@ BUFFER_SYNCS = ("broadcast", None)
 NONFINITE_POLICIES = ("skip", "raise", None)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-# Default block sizes: one fp32 scale per block costs 4 bytes. int8 at 2048
-# keeps 41.6 dB signal-to-noise on Gaussian data for 0.2% overhead; int4 needs
-# blocks of 128 to stay above 18 dB (18.6 dB, 6% overhead; 2048 gives 16.4 dB).
+# Default block sizes: one bf16 scale per block costs 2 bytes. int8 at 2048
+# keeps 41.6 dB signal-to-noise on Gaussian data for 0.1% overhead; int4 needs
+# blocks of 128 to stay above 18 dB (18.6 dB, 3% overhead; 2048 gives 16.4 dB).
 DEFAULT_BLOCK = {"int8": 2048, "int4": 128}
 # qgZ quantizes gradients, which are heavy-tailed, twice, and a bucket's rows
 # mix tensors of different scales: on the small GPT's gradients (2 nodes x 2)
@@ -49,7 +49,7 @@ class Config:
     strategy="rtp", the ring's weight hops travel quantized instead."""
 
     qwz_block: int | None = None
-    """Elements per quantization block of qwZ (one fp32 scale each). None: the
+    """Elements per quantization block of qwZ (one bf16 scale each). None: the
     format's default (`DEFAULT_BLOCK`)."""
 
     hpz: bool = False
@@ -60,7 +60,7 @@ class Config:
     """Quantized two-hop gradient all-to-all (ZeRO++ qgZ): None, "int4" or "int8"."""
 
     qgz_block: int | None = None
-    """Elements per quantization block of qgZ's hops (one fp32 scale each).
+    """Elements per quantization block of qgZ's hops (one bf16 scale each).
     None: `QGZ_DEFAULT_BLOCK`."""
 
     qgz_intra_node: str | None = "int8"
