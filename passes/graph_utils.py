@@ -107,8 +107,16 @@ class GraphBuilder:
         if isinstance(target, torch._ops.OpOverload) and not target._schema.returns:
             return node  # nothing to describe (the ledger hook): skip running it on fakes
         fake_args, fake_kwargs = tree_map_only(fx.Node, node_value, (args, kwargs))
-        with self.fake_mode:
-            node.meta["val"] = target(*fake_args, **fake_kwargs)
+        key = _call_key(target, fake_args, fake_kwargs, self.fake_mode)
+        if key in _OUTPUTS:
+            node.meta["val"] = _fresh_like(_OUTPUTS[key], self.fake_mode)
+        else:
+            with self.fake_mode:
+                node.meta["val"] = target(*fake_args, **fake_kwargs)
+            if key is not None:
+                if len(_OUTPUTS) >= 4096:
+                    _OUTPUTS.clear()
+                _OUTPUTS[key] = node.meta["val"]
         if isinstance(self.anchor.meta.get("stack_trace"), str):
             node.meta["stack_trace"] = self.anchor.meta["stack_trace"]
         return node
@@ -159,8 +167,7 @@ def _value_from_trace(original: fx.Node, copied: dict, fake_mode) -> torch.Tenso
         return None
     returned = schema.returns[0].alias_info
     if returned is None:
-        meta = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device="meta")
-        return FakeTensor(fake_mode, meta, like.device)
+        return _fresh_like(like, fake_mode)
     first = schema.arguments[0].alias_info if schema.arguments else None
     base = original.args[0] if original.args else None
     if first is None or returned.before_set != first.before_set:
@@ -175,6 +182,49 @@ def _value_from_trace(original: fx.Node, copied: dict, fake_mode) -> torch.Tenso
         meta = torch.empty(0, dtype=like.dtype, device="meta")
         meta.set_(copy_base.untyped_storage(), offset, like.shape, like.stride())
     return FakeTensor(fake_mode, meta, like.device)
+
+
+def _fresh_like(like: torch.Tensor, fake_mode) -> FakeTensor:
+    """A fake tensor of `like`'s metadata on storage of its own. Made below the
+    dispatcher's modes: passes run inside the compile's fake mode, and a meta
+    tensor made through it costs ~8x more."""
+    with no_dispatch():
+        meta = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device="meta")
+    return FakeTensor(fake_mode, meta, like.device)
+
+
+# (op, its arguments' metadata, fake mode) -> the fake value it returned.
+_OUTPUTS: dict[tuple, torch.Tensor] = {}
+
+
+def _call_key(target, args: tuple, kwargs: dict, fake_mode) -> tuple | None:
+    """What the fake value of an op that FakeTensorMode does not cache depends
+    on: zppc's custom ops and the functional collectives (non-aten ops, which
+    it always reruns; a 40-layer plan calls them thousands of times), when the
+    op returns one new tensor. None for every other op, and for symbolic
+    sizes or unhashable arguments."""
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace in ("aten", "prims"):
+        return None
+    schema = target._schema
+    if len(schema.returns) != 1 or schema.returns[0].alias_info is not None or schema.is_mutable:
+        return None
+
+    def describe(value):
+        if isinstance(value, torch.Tensor):
+            shape, stride = tuple(value.shape), tuple(value.stride())
+            if not all(isinstance(d, int) for d in (*shape, *stride)):
+                raise TypeError("symbolic size")
+            return ("tensor", shape, stride, value.dtype, value.device)
+        if isinstance(value, (list, tuple)):
+            return ("seq", *map(describe, value))
+        return value
+
+    try:
+        key = (target, describe(args), describe(sorted(kwargs.items())), id(fake_mode))
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 # (function, input shapes and dtypes, fake mode) -> its traced graph.

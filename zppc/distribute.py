@@ -838,21 +838,22 @@ def _make_getter(name: str):
         if not (torch.compiler.is_compiling() or _FORWARDS_RUNNING[0]):
             return self._parameters[name]
         spec: ShardSpec = self._zppc_specs[name]
-
-        def unshard(shard: Tensor) -> Tensor:
-            return torch.ops.zppc.unshard(
-                shard,
-                list(spec.shape),
-                spec.group_name,
-                spec.mode,
-                spec.param_dtype,
-                spec.reduce_dtype,
-            )
-
-        return gathered(self._zppc_flat[name], unshard, self._zppc_sync, spec.fqn)
+        shard, sync = self._zppc_flat[name], self._zppc_sync
+        # GradSync.mode() == "sync", as plain attribute reads: dynamo runs this
+        # for every parameter use, and a call or closure less here is seconds
+        # less in a 40-layer plan.
+        if not shard.requires_grad or (sync.enabled and not sync.deferred):
+            return _unshard(shard, spec)
+        return gathered(shard, functools.partial(_unshard, spec=spec), sync, spec.fqn)
 
     parameter.__name__ = name
     return parameter
+
+
+def _unshard(shard: Tensor, spec: ShardSpec) -> Tensor:
+    return torch.ops.zppc.unshard(
+        shard, list(spec.shape), spec.group_name, spec.mode, spec.param_dtype, spec.reduce_dtype
+    )
 
 
 def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
