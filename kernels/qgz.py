@@ -30,6 +30,7 @@ if HAS_TRITON:
         block_scale,
         load_quantized,
         load_scale,
+        payload_values,
         round_clamp,
         store_scale,
     )
@@ -93,7 +94,7 @@ if HAS_TRITON:
         for p in range(peers):
             row = payload_ptr + tl.cast(p, tl.int64) * row_bytes
             scale = load_scale(row, e // BLOCK, mask)
-            q = load_quantized(row + 2 * nblocks, e, mask, INT4)
+            q = load_quantized(payload_values(row, nblocks), e, mask, INT4)
             acc += q.to(tl.float32) * scale
         return acc
 
@@ -118,7 +119,7 @@ if HAS_TRITON:
         b = tl.program_id(0)
         k = tl.program_id(1)
         out_row = out_ptr + k.to(tl.int64) * out_row_bytes
-        out_values = out_row + 2 * out_nblocks
+        out_values = payload_values(out_row, out_nblocks)
         if OUT_INT4:
             half = tl.arange(0, BLOCK_POW2 // 2)
             even = b * BLOCK + 2 * half

@@ -164,6 +164,11 @@ if HAS_TRITON:
         return tl.load(scales + block_index, mask=mask, other=0.0).to(tl.float32)
 
     @triton.jit
+    def payload_values(row, nblocks):
+        """Where a payload row's quantized values start: after its bf16 scales."""
+        return row + 2 * nblocks
+
+    @triton.jit
     def store_scale(row, block_index, scale):
         tl.store(
             row.to(tl.pointer_type(tl.bfloat16), bitcast=True) + block_index, scale.to(tl.bfloat16)
@@ -246,7 +251,7 @@ if HAS_TRITON:
         rank = tl.program_id(1)
         row = payload_ptr + rank.to(tl.int64) * row_bytes
         scale = load_scale(row, b, b < nblocks)
-        values = row + 2 * nblocks
+        values = payload_values(row, nblocks)
         offs = tl.arange(0, BLOCK_POW2)
         idx = b * BLOCK + offs
         mask = (offs < BLOCK) & (idx < numel)

@@ -114,9 +114,7 @@ class GraphBuilder:
             with self.fake_mode:
                 node.meta["val"] = target(*fake_args, **fake_kwargs)
             if key is not None:
-                if len(_OUTPUTS) >= 4096:
-                    _OUTPUTS.clear()
-                _OUTPUTS[key] = node.meta["val"]
+                _remember(_OUTPUTS, key, node.meta["val"])
         if isinstance(self.anchor.meta.get("stack_trace"), str):
             node.meta["stack_trace"] = self.anchor.meta["stack_trace"]
         return node
@@ -211,10 +209,10 @@ def _call_key(target, args: tuple, kwargs: dict, fake_mode) -> tuple | None:
 
     def describe(value):
         if isinstance(value, torch.Tensor):
-            shape, stride = tuple(value.shape), tuple(value.stride())
-            if not all(isinstance(d, int) for d in (*shape, *stride)):
+            described = _tensor_key(value)
+            if described is None:
                 raise TypeError("symbolic size")
-            return ("tensor", shape, stride, value.dtype, value.device)
+            return described
         if isinstance(value, (list, tuple)):
             return ("seq", *map(describe, value))
         return value
@@ -244,9 +242,7 @@ def _traced(fn, fakes: list, fake_mode) -> tuple[fx.Graph, bool]:
             graph = make_fx(fn, decomposition_table=select_decomp_table())(*fakes).graph
         if key is None:
             return graph, False
-        if len(_TRACES) >= 4096:
-            _TRACES.clear()
-        _TRACES[key] = graph
+        _remember(_TRACES, key, graph)
     return _TRACES[key], True
 
 
@@ -259,18 +255,30 @@ def _trace_key(fn, fakes: list, fake_mode) -> tuple | None:
         target, bound = fn, ()
     if not callable(target) or getattr(target, "__closure__", None):
         return None
-    inputs = []
-    for t in fakes:
-        shape, stride = tuple(t.shape), tuple(t.stride())
-        if not all(isinstance(d, int) for d in (*shape, *stride)):
-            return None
-        inputs.append((shape, stride, t.dtype, t.device))
+    inputs = [_tensor_key(t) for t in fakes]
+    if None in inputs:
+        return None
     try:
         key = (target, bound, tuple(inputs), id(fake_mode))
         hash(key)
     except TypeError:
         return None
     return key
+
+
+def _tensor_key(t: torch.Tensor) -> tuple | None:
+    """A tensor's metadata as a cache key part; None for symbolic sizes."""
+    shape, stride = tuple(t.shape), tuple(t.stride())
+    if not all(isinstance(d, int) for d in (*shape, *stride)):
+        return None
+    return (shape, stride, t.dtype, t.device)
+
+
+def _remember(cache: dict, key: tuple, value) -> None:
+    """Store in one of the bounded per-process caches (cleared when full)."""
+    if len(cache) >= 4096:
+        cache.clear()
+    cache[key] = value
 
 
 def replace_node(old: fx.Node, new: fx.Node) -> None:
