@@ -86,6 +86,16 @@ class PayloadLayout:
 # ----------------------------------------------------------------- reference
 
 
+def round_to_bf16_reference(x: Tensor) -> Tensor:
+    """fp32 -> the nearest bf16 value (ties to even), still fp32, by integer
+    arithmetic on the bits (finite, non-negative x). Not `x.to(bf16).float()`:
+    Inductor folds that pair of casts away inside a fused kernel, and the
+    values would then be quantized against a scale the payload does not carry."""
+    bits = x.view(torch.int32)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.view(torch.float32)
+
+
 def quantize_pack_reference(x: Tensor, block: int, bits: int) -> Tensor:
     return quantize_pack_rows_reference(x.reshape(1, -1), block, bits).view(-1)
 
@@ -101,8 +111,8 @@ def quantize_pack_rows_reference(rows: Tensor, block: int, bits: int) -> Tensor:
     amax = blocks.abs().amax(dim=2)
     # Tensor / tensor: a Python scalar goes through a reciprocal on CPU and
     # rounds twice; the kernel divides exactly (div_rn).
-    scale = (amax / torch.full_like(amax, qmax)).to(SCALE_DTYPE)
-    rounded = scale.float()
+    rounded = round_to_bf16_reference(amax / torch.full_like(amax, qmax))
+    scale = rounded.to(SCALE_DTYPE)  # exact: `rounded` is a bf16 value already
     inv = torch.where(rounded > 0, torch.ones_like(rounded) / rounded, torch.zeros_like(rounded))
     v = blocks * inv[:, :, None]
     q = torch.where(v >= 0, torch.floor(v + 0.5), -torch.floor(-v + 0.5)).clamp(-qmax, qmax)

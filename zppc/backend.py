@@ -20,6 +20,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 import zppc.ir  # noqa: F401
 from zppc.config import Config
 from zppc.distribute import DistributedState, live_states, state_of_shard
+from zppc.inductor_fixes import cpu_loop_split_keeps_tails
 from zppc.inspect import dump_compile
 from zppc.passes import PassContext, is_planning, run_passes
 from zppc.passes.partition import zppc_partition
@@ -209,7 +210,7 @@ def _compile_distributed(gm, example_inputs, config: Config, state: DistributedS
     patches = dict(reorder_for_peak_memory=not keep_overlap_order, force_pointwise_cat=True)
 
     def inner_compile(graph, inputs, **kw):
-        with inductor_config.patch(**patches):
+        with inductor_config.patch(**patches), cpu_loop_split_keeps_tails():
             return compile_fx_inner(graph, inputs, **kw)
 
     with (
