@@ -42,6 +42,7 @@ _FLAGS = {
     "qwz": "--qwz",
     "qgz": "--qgz",
     "osp": "--osp",
+    "reduce_scatter": "--reduce-scatter",
 }
 
 
@@ -78,6 +79,8 @@ def plan(run_args: dict, config: str, inter_bits: float, rates: dict) -> dict:
     flags += ["--intra-bw", "10GB/s", "--latency", "0", "--kernels", "torch"]
     flags += ["--tflops", f"{rates['flops_per_second'] / 1e12:.6g}"]
     flags += ["--memory-bw", f"{rates['memory_bytes_per_second']:.6g}B/s"]
+    # Runs recorded before run.py had --reduce-scatter ran gloo's own.
+    flags += ["--reduce-scatter", run_args.get("reduce_scatter", "native")]
     if run_args.get("bucket_mb", "None") != "None":
         flags += ["--bucket-mb", run_args["bucket_mb"]]
     with tempfile.TemporaryDirectory() as tmp:

@@ -54,6 +54,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="zppc's bucket cap in MiB (default: Config's 25); overlap needs several buckets per graph",
     )
     p.add_argument(
+        "--reduce-scatter",
+        default="auto",
+        choices=["auto", "native", "all_to_all"],
+        help="zppc's Config.reduce_scatter for the rows that do not set their own",
+    )
+    p.add_argument(
         "--configs",
         default=None,
         help="comma-separated subset of (default: all): " + ", ".join(CONFIGS),
@@ -111,6 +117,7 @@ def run_config(cluster: EmulatedCluster, name: str, args) -> dict:
         ]
         if args.bucket_mb is not None:
             script.append(f"--bucket-mb={args.bucket_mb}")
+        script.append(f"--reduce-scatter={args.reduce_scatter}")
         before = cluster.bytes_left_nodes()
         start = time.monotonic()
         cluster.launch(

@@ -28,6 +28,9 @@ CONFIGS: dict[str, tuple[str, dict | None]] = {
     "deepspeed-zero3-qwz-qgz": ("deepspeed", {"hpz": True, "quantized": True}),
     "zppc-ddp": ("zppc", {"strategy": "ddp"}),
     "zppc-zero3": ("zppc", {"strategy": "zero3"}),
+    # gloo's own reduce-scatter (an all-reduce underneath) instead of the
+    # all-to-all + local sum Config.reduce_scatter="auto" picks on 2 x 2.
+    "zppc-zero3-native-rs": ("zppc", {"strategy": "zero3", "reduce_scatter": "native"}),
     # The overlap pass off: every collective waited right after its issue.
     "zppc-zero3-serial": ("zppc", {"strategy": "zero3", "disable_passes": ("overlap",)}),
     # Weights kept gathered from forward to backward (what DeepSpeed's
@@ -112,6 +115,7 @@ def build(name: str, model, args):
 
     if args.bucket_mb is not None:
         fields = {**fields, "bucket_bytes": int(args.bucket_mb * 2**20)}
+    fields = {"reduce_scatter": args.reduce_scatter, **fields}
     node_size = getattr(args, "node_size", None) or int(os.environ["LOCAL_WORLD_SIZE"])
     config = zppc.Config(**fields, lowering=args.lowering, node_size=node_size)
     zppc.distribute(model, config)
@@ -129,6 +133,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--lowering", default="eager")
     p.add_argument("--bucket-mb", type=float, default=None)
+    p.add_argument("--reduce-scatter", default="auto")
     p.add_argument("--result", required=True)
     args = p.parse_args()
     torch.set_num_threads(1)

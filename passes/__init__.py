@@ -29,18 +29,29 @@ PASS_NAMES = (
     "qwz",
     "bucket",
     "qgz",
+    "reduce_scatter",
     "sync_buffers",
     "overlap",
 )
 
 log = logging.getLogger("zppc.passes")
 
-_PLANNING: ContextVar[str | None] = ContextVar("zppc_planning", default=None)
+
+@dataclass(frozen=True)
+class Plan:
+    """What a plan being compiled stands for (see `planning`)."""
+
+    kernels: str
+    backend: str
+
+
+_PLANNING: ContextVar[Plan | None] = ContextVar("zppc_planning", default=None)
 PLAN_KERNELS = ("triton", "torch")
+PLAN_BACKENDS = ("nccl", "gloo")
 
 
 @contextmanager
-def planning(kernels: str = "triton") -> Iterator[None]:
+def planning(kernels: str = "triton", backend: str = "nccl") -> Iterator[None]:
     """Compiles inside this block serve a plan (`zppc schedule`) and nothing
     else: passes keep no per-pass code (unless ZPPC_DUMP_DIR asks for it), and
     the eager lowering returns empty outputs instead of executing the graph.
@@ -50,10 +61,14 @@ def planning(kernels: str = "triton") -> Iterator[None]:
 
     `kernels`: how the plan lowers quantization: "triton", zppc's custom ops
     as a GPU compile does; "torch", the reference's aten ops as a CPU run
-    executes them (the graph whose ops a CPU cluster's cost model charges)."""
+    executes them (the graph whose ops a CPU cluster's cost model charges).
+    `backend`: the backend whose algorithms the passes choose for (the plan's
+    groups are the fake process group's)."""
     if kernels not in PLAN_KERNELS:
         raise ValueError(f"planning(kernels=...) must be one of {PLAN_KERNELS}, got {kernels!r}")
-    token = _PLANNING.set(kernels)
+    if backend not in PLAN_BACKENDS:
+        raise ValueError(f"planning(backend=...) must be one of {PLAN_BACKENDS}, got {backend!r}")
+    token = _PLANNING.set(Plan(kernels, backend))
     try:
         yield
     finally:
@@ -64,9 +79,16 @@ def is_planning() -> bool:
     return _PLANNING.get() is not None
 
 
+def planned_backend() -> str | None:
+    """The backend the plan being compiled stands for (None: not a plan)."""
+    plan = _PLANNING.get()
+    return plan.backend if plan else None
+
+
 def planned_kernels() -> str | None:
     """The quantization kernels the plan being compiled lowers to (None: not a plan)."""
-    return _PLANNING.get()
+    plan = _PLANNING.get()
+    return plan.kernels if plan else None
 
 
 @dataclass(frozen=True)
@@ -121,6 +143,7 @@ def build_passes(config) -> list[GraphPass]:
     from zppc.passes.overlap import overlap_pass
     from zppc.passes.qgz import qgz_pass
     from zppc.passes.qwz import qwz_pass
+    from zppc.passes.reduce_scatter import reduce_scatter_pass
     from zppc.passes.rtp import rtp_pass
     from zppc.passes.sync_buffers import sync_buffers_pass
     from zppc.passes.zero import zero_pass
@@ -138,6 +161,8 @@ def build_passes(config) -> list[GraphPass]:
     passes.append(GraphPass("bucket", bucket_pass, ("forward", "backward")))
     if config.qgz is not None:
         passes.append(GraphPass("qgz", qgz_pass, ("backward",)))
+    if config.reduce_scatter != "native":
+        passes.append(GraphPass("reduce_scatter", reduce_scatter_pass, ("backward",)))
     if config.buffer_sync is not None:
         passes.append(GraphPass("sync_buffers", sync_buffers_pass, ("forward",)))
     passes.append(GraphPass("overlap", overlap_pass, ("forward", "backward")))

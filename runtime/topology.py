@@ -201,3 +201,8 @@ def group_ranks(group_name: str) -> list[int]:
 
 def group_size(group_name: str) -> int:
     return dist.distributed_c10d._resolve_process_group(group_name).size()
+
+
+def group_backend(group_name: str) -> str:
+    """The backend of a group ("gloo", "nccl", "fake", ...): the same on every rank."""
+    return dist.get_backend(dist.distributed_c10d._resolve_process_group(group_name))

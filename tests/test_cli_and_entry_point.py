@@ -151,6 +151,7 @@ FLAG_CHANGES = [
     ((), ("--param-dtype", "bfloat16")),
     ((), ("--reduce-dtype", "bfloat16")),
     ((), ("--bucket-mb", "0.01")),
+    ((), ("--reduce-scatter", "all_to_all")),
     (("--bucket-mb", "0.01"), ("--prefetch", "0")),
     ((), ("--keep-gathered-mb", "1")),
     # The cost model's compute: memory-bound ops, and the CPU's quantization ops.

@@ -30,6 +30,7 @@ def test_config_is_frozen():
         (dict(qwz="int2"), ["qwz", "int2"]),
         (dict(qgz="fp8"), ["qgz", "fp8"]),
         (dict(lowering="jit"), ["lowering", "jit"]),
+        (dict(reduce_scatter="ring"), ["reduce_scatter", "ring"]),
         (dict(qwz_block=0), ["qwz_block", "0"]),
         (dict(qwz="int4", qwz_block=65), ["qwz_block", "even", "65"]),
         (dict(bucket_bytes=-1), ["bucket_bytes", "-1"]),

@@ -70,10 +70,15 @@ def test_osp_equals_the_reference_semantics(tmp_path):
         spread = max(_gap(before[0], b) for b in before[1:]) if strategy == "ddp" else None
         if strategy == "ddp":
             assert (spread > 1e-4) if lgp else (spread == 0.0), (run, spread)
-        # The last step's stage-2 reduction is counted by the ledger.
+        # The last step's stage-2 reduction is counted by the ledger: zero2/3's
+        # is the reduce-scatter (stage 1 runs as an all-to-all on gloo,
+        # Config.reduce_scatter="auto"), ddp's the second all-reduce.
         comm = results[0][run]["comm"]
-        kind = "reduce_scatter" if strategy in ("zero2", "zero3") else "all_reduce"
-        assert comm["calls"][kind] >= 2, (run, comm)
+        if strategy in ("zero2", "zero3"):
+            assert comm["calls"]["reduce_scatter"] >= 1, (run, comm)
+            assert comm["calls"]["all_to_all"] >= 1, (run, comm)
+        else:
+            assert comm["calls"]["all_reduce"] >= 2, (run, comm)
 
 
 CLIPPED_RUNS = [

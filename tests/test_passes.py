@@ -133,10 +133,19 @@ def test_bucket_plan_is_greedy_in_graph_order(fake_pg):
 
 def test_pass_list_and_disable():
     names = [p.name for p in build_passes(zppc.Config(qwz="int8"))]
-    assert names == ["dedupe_unshard", "zero", "qwz", "bucket", "sync_buffers", "overlap"]
-    names = [p.name for p in build_passes(zppc.Config(qwz="int8", qgz="int4", buffer_sync=None))]
+    assert names == [
+        "dedupe_unshard",
+        "zero",
+        "qwz",
+        "bucket",
+        "reduce_scatter",
+        "sync_buffers",
+        "overlap",
+    ]
+    config = zppc.Config(qwz="int8", qgz="int4", buffer_sync=None, reduce_scatter="native")
+    names = [p.name for p in build_passes(config)]
     assert names == ["dedupe_unshard", "zero", "qwz", "bucket", "qgz", "overlap"]
-    config = zppc.Config(disable_passes=("bucket", "sync_buffers", "overlap"))
+    config = zppc.Config(disable_passes=("bucket", "reduce_scatter", "sync_buffers", "overlap"))
     assert [p.name for p in build_passes(config)] == ["dedupe_unshard", "zero"]
 
 
@@ -144,7 +153,7 @@ def test_run_passes_records_every_pass(fake_pg):
     graphs = partitioned("zero3", fake_pg)
     ctx = PassContext(zppc.Config(lowering="eager"), "backward")
     run_passes(graphs["backward"], ctx)
-    assert [r.name for r in ctx.records] == ["input", "zero", "bucket", "overlap"]
+    assert [r.name for r in ctx.records] == ["input", "zero", "bucket", "reduce_scatter", "overlap"]
     assert ctx.records[1].removed == {"unshard.default": 1, "reduce_grad.default": 1}
     assert op_census(graphs["backward"].graph)["record_comm.default"] == 2
 

@@ -173,6 +173,7 @@ def _settings(args: argparse.Namespace):
             **refinements,
             node_size=args.node_size,
             bucket_bytes=int(args.bucket_mb * 2**20),
+            reduce_scatter=args.reduce_scatter,
             prefetch=args.prefetch,
             keep_gathered_bytes=int(args.keep_gathered_mb * 2**20),
             lowering="eager",
@@ -225,7 +226,7 @@ def _plan(args: argparse.Namespace) -> dict:
         step = torch.compile(model, backend="zppc")
         # The loss is taken from the output outside the graph (cross-entropy has
         # no autograd formula on meta); the collectives do not depend on it.
-        with planning(args.kernels):
+        with planning(args.kernels, args.backend):
             _first_tensor(step(*inputs)).float().square().mean().backward()
         graphs = [
             (kind, record.final[kind], graph_schedule(record.final[kind], kind, args.rank))
@@ -476,6 +477,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     s.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap in MiB")
     s.add_argument(
+        "--reduce-scatter",
+        choices=["auto", "native", "all_to_all"],
+        default="auto",
+        help="how gradient reduce-scatters run: the backend's own, or an all-to-all and a "
+        "local sum; auto: all_to_all on --backend gloo where that moves fewer bytes into a "
+        "node than gloo's reduce-scatter (an all-reduce), native on nccl",
+    )
+    s.add_argument(
         "--prefetch", type=int, default=1, help="gathered buckets issued ahead of the one in use"
     )
     s.add_argument(
@@ -513,7 +522,8 @@ def main(argv: list[str] | None = None) -> int:
         "--backend",
         choices=["nccl", "gloo"],
         default="nccl",
-        help="the collectives' algorithms: gloo runs reduce-scatter as an all-reduce (2x the bytes)",
+        help="the collectives' algorithms: gloo runs reduce-scatter as an all-reduce (2x the "
+        "bytes; --reduce-scatter auto plans it as an all-to-all instead, as a gloo run does)",
     )
     s.add_argument("--intra-gbps", type=float, default=None, help=argparse.SUPPRESS)
     s.add_argument("--inter-gbps", type=float, default=None, help=argparse.SUPPRESS)

@@ -32,6 +32,7 @@ DEFAULT_BLOCK = {"int8": 2048, "int4": 128}
 QGZ_DEFAULT_BLOCK = 64
 
 OSP_SPLITS = ("last", "magnitude")
+REDUCE_SCATTER_ALGORITHMS = ("auto", "native", "all_to_all")
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,16 @@ class Config:
     their re-gather. 0 re-gathers every weight. `zppc.inspect` states what was
     kept."""
 
+    reduce_scatter: str = "auto"
+    """How a gradient reduce-scatter (zero2/zero3, not qgZ's hops) runs:
+    "native", the backend's own reduce-scatter; "all_to_all", an all-to-all of
+    the rank-major slices and a local sum over the ranks (each slice crosses
+    the wire once, directly); "auto", all_to_all on gloo, whose reduce-scatter
+    is an all-reduce underneath, where the direct exchange brings fewer bytes
+    into each node (nodes of 1 or 2 ranks, or one node: on the emulated 2 x 2
+    cluster 0.68x the bytes out of each node, `benchmarks/reduce_scatter.py`),
+    native elsewhere (NCCL's ring reduce-scatter, and gloo with larger nodes)."""
+
     lowering: str = "inductor"
     """"inductor" generates code with Inductor; "eager" runs the same passes and
     executes the graphs op by op (aot_eager), for fast tests."""
@@ -209,6 +220,7 @@ class Config:
                 f"every gathered weight for backward), got strategy={self.strategy!r}"
             )
         _check_choice("osp_split", self.osp_split, OSP_SPLITS)
+        _check_choice("reduce_scatter", self.reduce_scatter, REDUCE_SCATTER_ALGORITHMS)
         for name in ("hpz", "qgz_quantize", "qgz_error_feedback", "osp_lgp"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
