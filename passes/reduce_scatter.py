@@ -7,7 +7,8 @@ each over a rank-major flat input [world * S]. Runs before `overlap`, which
 then schedules the all-to-alls like any reduction.
 
 Rewrite, where `Config.reduce_scatter` resolves to "all_to_all" for the
-group (under "auto": gloo, where it moves fewer bytes; `uses_all_to_all`): the reduce-scatter of `x` becomes an all-to-all
+group (under "auto": gloo, where it moves fewer bytes;
+`runtime.collectives.direct_reduce_scatter`): the reduce-scatter of `x` becomes an all-to-all
 of `x`'s world slices (slice r to rank r) and a local sum over the [world, S]
 slices received. gloo runs a reduce-scatter as an all-reduce (a ring's
 2 (W - 1) / W of the input through every link); the all-to-all sends each
@@ -26,34 +27,18 @@ from torch import fx
 from zppc.passes import is_planning, planned_backend
 from zppc.passes.graph_utils import GraphBuilder
 from zppc.passes.zero import UNQUANTIZED_BYTES, collective, find_collectives
-from zppc.runtime.ledger import node_link_bytes
-from zppc.runtime.topology import group_backend, group_ranks, group_size
+from zppc.runtime.collectives import direct_reduce_scatter
+from zppc.runtime.topology import group_backend, group_size
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
-# Backends whose reduce-scatter is an all-reduce underneath.
-REDUCE_SCATTER_IS_ALL_REDUCE = ("gloo",)
-
 
 def uses_all_to_all(algorithm: str, group_name: str) -> bool:
-    """Whether a reduce-scatter over `group_name` runs as all-to-all + sum.
-
-    "auto": on a backend whose reduce-scatter is an all-reduce, when the
-    direct exchange brings no more bytes into a node over its inter-node link
-    than that all-reduce's ring (2 (W - 1) chunks into each node, against
-    D (W - D) for nodes of D ranks): 2 nodes x 2 ranks 4 against 6 chunks,
-    2 x 4 16 against 14 (there the all-reduce is kept). A tie (one node, where
-    nothing crosses) goes to the all-to-all, which moves half the bytes in all.
-    Counted for the group's first rank, so every rank decides alike."""
-    if algorithm != "auto":
-        return algorithm == "all_to_all"
+    """`direct_reduce_scatter` for a group of this compile: in a plan, for the
+    backend the plan stands for (its groups are the fake process group's)."""
     backend = planned_backend() if is_planning() else group_backend(group_name)
-    if backend not in REDUCE_SCATTER_IS_ALL_REDUCE:
-        return False
-    first = group_ranks(group_name)[0]
-    direct = node_link_bytes("all_to_all", group_name, first, 1)
-    return direct <= 2 * node_link_bytes("reduce_scatter", group_name, first, 1)
+    return direct_reduce_scatter(algorithm, group_name, backend)
 
 
 def reduce_scatter_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:

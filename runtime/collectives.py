@@ -32,6 +32,33 @@ def bytes_per_peer(kind: str, inp: Tensor, world: int) -> int:
     raise ValueError(f"unknown collective kind {kind!r}")
 
 
+# Backends whose reduce-scatter is an all-reduce underneath.
+REDUCE_SCATTER_IS_ALL_REDUCE = ("gloo",)
+
+
+def direct_reduce_scatter(algorithm: str, group_name: str, backend: str) -> bool:
+    """Whether a reduce-scatter over `group_name` runs as an all-to-all of the
+    rank-major slices and a local sum (`Config.reduce_scatter`, for a group
+    of `backend`).
+
+    "auto": on a backend whose reduce-scatter is an all-reduce, when the
+    direct exchange brings no more bytes into a node over its inter-node link
+    than that all-reduce's ring (2 (W - 1) chunks into each node, against
+    D (W - D) for nodes of D ranks): 2 nodes x 2 ranks 4 against 6 chunks,
+    2 x 4 16 against 14 (there the all-reduce is kept). A tie (one node, where
+    nothing crosses) goes to the all-to-all, which moves half the bytes in all.
+    Counted for the group's first rank, so every rank decides alike."""
+    from zppc.runtime.ledger import node_link_bytes
+
+    if algorithm != "auto":
+        return algorithm == "all_to_all"
+    if backend not in REDUCE_SCATTER_IS_ALL_REDUCE:
+        return False
+    first = group_ranks(group_name)[0]
+    direct = node_link_bytes("all_to_all", group_name, first, 1)
+    return direct <= 2 * node_link_bytes("reduce_scatter", group_name, first, 1)
+
+
 @torch.library.custom_op("zppc::record_comm", mutates_args=())
 def record_comm(inp: Tensor, kind: str, group_name: str) -> None:
     """Ledger hook placed where each collective is issued in compiled graphs; it

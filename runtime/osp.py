@@ -64,6 +64,9 @@ class Reduction:
     bucket otherwise)."""
     mode: str
     group_name: str
+    direct: bool = False
+    """`total` holds every rank's slice for this rank (an all-to-all, see
+    `OspState.direct`), to be summed here."""
     _mean: Tensor | None = None
 
     def mean(self) -> Tensor:
@@ -74,6 +77,8 @@ class Reduction:
             )
             group = _GROUP_FROM_NAME(self.group_name)
             total = self.total
+            if self.direct:
+                total = total.view(group.size(), -1).float().sum(0)
             if self.mode == "zero1":
                 total = total.view(group.size(), -1)[dist.get_rank(group)]
             self._mean = total.float() / group.size()
@@ -307,6 +312,10 @@ class OspState:
     graphs compiled for an older plan are compiled again."""
     two_hops: TwoHops | None = None
     """`Config.qgz`: stage 2 reduces in two quantized hops."""
+    direct: bool = False
+    """zero2/3 without qgZ: stage 2's reduce-scatters run as an all-to-all
+    and a local sum (`Config.reduce_scatter` resolved for the side group, as
+    the `reduce_scatter` pass resolves it for stage 1)."""
     first_hops: list[TwoHopReduction] = field(default_factory=list)
     """Two-hop reductions whose cross-node hop is not issued yet, in issue order."""
 
@@ -575,15 +584,18 @@ def osp_issue(
 
 def _issue_one(osp: OspState, send: Tensor, numel: int, mode: str, world: int) -> Reduction:
     group = _GROUP_FROM_NAME(osp.group_name)
-    kind = _reduction_kind(mode)
-    if kind == "reduce_scatter":
+    kind = _reduction_kind(mode, osp.direct)
+    if kind == "all_to_all":
+        total = torch.empty_like(send)
+        work = dist.all_to_all_single(total, send, group=group, async_op=True)
+    elif kind == "reduce_scatter":
         total = send.new_empty(numel)
         work = dist.reduce_scatter_single(total, send, group=group, async_op=True)
     else:
         total = send
         work = dist.all_reduce(total, group=group, async_op=True)
     record(kind, osp.group_name, bytes_per_peer(kind, send, world))
-    return Reduction(work, total, mode, osp.group_name)
+    return Reduction(work, total, mode, osp.group_name, direct=kind == "all_to_all")
 
 
 def _issue_two_hops(osp, grads, fqns, shard_numels, mode, send, world) -> TwoHopReduction:
@@ -636,7 +648,7 @@ def stage2_points(node) -> list:
     if hops is None:
         numel = sum(v.numel() for v in vals) if mode == "ddp" else sum(shard_numels) * world
         sent = torch.empty(numel, dtype=dtype, device="meta")
-        return [point(_reduction_kind(mode), osp.group_name, sent)]
+        return [point(_reduction_kind(mode, osp.direct), osp.group_name, sent)]
     if mode == "ddp":
         shard_numels = _ddp_columns(vals, world)
     columns = sum(shard_numels)
@@ -660,9 +672,12 @@ def stage2_points(node) -> list:
     return points
 
 
-def _reduction_kind(mode: str) -> str:
-    """zero2/3 keep only their shard of the mean; ddp and zero1 need it whole."""
-    return "reduce_scatter" if mode in ("zero2", "zero3") else "all_reduce"
+def _reduction_kind(mode: str, direct: bool) -> str:
+    """zero2/3 keep only their shard of the mean (reduce-scattered, or
+    exchanged directly and summed here); ddp and zero1 need it whole."""
+    if mode not in ("zero2", "zero3"):
+        return "all_reduce"
+    return "all_to_all" if direct else "reduce_scatter"
 
 
 @osp_issue.register_fake

@@ -101,11 +101,16 @@ def test_schedule_gloo_plans_all_to_alls_with_the_same_logical_bytes(fake_world,
 
     dist.destroy_process_group()  # the CLI makes its own fake group
     args = ["schedule", "gpt-tiny", "--world-size", "4", "--node-size", "2", "--format", "json"]
-    plans = {}
+    plans, osp = {}, {}
     for backend in ("nccl", "gloo"):
         assert main([*args, "--backend", backend]) == 0
         plans[backend] = json.loads(capsys.readouterr().out)
+        assert main([*args, "--backend", backend, "--osp", "0.5"]) == 0
+        osp[backend] = json.loads(capsys.readouterr().out)["collectives"]
     dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=4)
+    # OSP's stage 2 (issued at run time, not by the pass) follows the same rule.
+    assert {c["kind"] for c in osp["nccl"] if c["stage"] == 2} == {"reduce_scatter"}
+    assert {c["kind"] for c in osp["gloo"] if c["stage"] == 2} == {"all_to_all"}
     kinds = {b: [c["kind"] for c in p["collectives"]] for b, p in plans.items()}
     assert "reduce_scatter" in kinds["nccl"] and "reduce_scatter" not in kinds["gloo"]
     assert kinds["gloo"] == ["all_to_all" if k == "reduce_scatter" else k for k in kinds["nccl"]]

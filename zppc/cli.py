@@ -219,14 +219,16 @@ def _plan(args: argparse.Namespace) -> dict:
             model, inputs, traced_tokens = _model_and_inputs(
                 args.model, args.seq, args.tokens_per_rank
             )
-        try:
-            zppc.distribute(model, config)  # its checks cover the topology (hpz: world % node)
-        except ValueError as exc:
-            raise SystemExit(f"zppc schedule: {exc}") from None
-        step = torch.compile(model, backend="zppc")
-        # The loss is taken from the output outside the graph (cross-entropy has
-        # no autograd formula on meta); the collectives do not depend on it.
+        # Inside the plan: what `distribute` decides for the backend (OSP's
+        # stage-2 algorithm) is decided for the one planned.
         with planning(args.kernels, args.backend):
+            try:
+                zppc.distribute(model, config)  # its checks cover the topology (hpz: world % node)
+            except ValueError as exc:
+                raise SystemExit(f"zppc schedule: {exc}") from None
+            step = torch.compile(model, backend="zppc")
+            # The loss is taken from the output outside the graph (cross-entropy has
+            # no autograd formula on meta); the collectives do not depend on it.
             _first_tensor(step(*inputs)).float().square().mean().backward()
         graphs = [
             (kind, record.final[kind], graph_schedule(record.final[kind], kind, args.rank))

@@ -265,13 +265,17 @@ def distribute(model: nn.Module, config: Config | None = None) -> nn.Module:
         config=config, topology=topology, groups=groups, mesh=mesh, model_ref=weakref.ref(model)
     )
     if config.osp is not None:
+        from zppc.passes.reduce_scatter import uses_all_to_all
+
+        side_group = side_world_group(topology, config.timeout_s)
         state.osp = OspState(
             index=state.grad_sync.index,
             lgp=config.osp_lgp,
             split=config.osp_split,
-            group_name=side_world_group(topology, config.timeout_s),
+            group_name=side_group,
             model_state=weakref.ref(state),
             two_hops=two_hops_for(config, topology, state.qgz_residuals),
+            direct=uses_all_to_all(config.reduce_scatter, side_group),
         )
         register_osp(state.osp)
     if config.strategy == "rtp":
