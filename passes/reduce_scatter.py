@@ -26,7 +26,7 @@ import torch
 from torch import fx
 from zppc.passes import is_planning, planned_backend
 from zppc.passes.graph_utils import GraphBuilder
-from zppc.passes.zero import UNQUANTIZED_BYTES, collective, find_collectives
+from zppc.passes.zero import collective, find_collectives
 from zppc.runtime.collectives import direct_reduce_scatter
 from zppc.runtime.topology import group_backend, group_size
 
@@ -60,8 +60,6 @@ def reduce_scatter_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             splits,
             m.group_name,
         )
-        if UNQUANTIZED_BYTES in m.wait.meta:
-            received.meta[UNQUANTIZED_BYTES] = m.wait.meta[UNQUANTIZED_BYTES]
         rows = b.call(aten.view.default, received, [world, slice_numel])
         m.replace_with(b.call(aten.sum.dim_IntList, rows, [0]))
     return gm

@@ -70,7 +70,7 @@ def test_all_to_all_replaces_each_reduce_scatter_in_place_with_its_bytes(fake_wo
     world, _ = fake_world
     _, native = backward_collectives("native")
     torch._dynamo.reset()
-    backward, direct = backward_collectives("all_to_all")
+    _, direct = backward_collectives("all_to_all")
     assert any(m.kind == "reduce_scatter" for m in native)
     # The same schedule, each reduce-scatter an all-to-all of the same input.
     assert [m.kind for m in direct] == [
