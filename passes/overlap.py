@@ -7,7 +7,11 @@ hook + issue + wait. Must run last.
 Rewrite (node order only; nothing is added or removed, so numerics are
 unchanged):
 
-1. Parameter gathers are prefetched `Config.prefetch` buckets ahead, bounded
+1. Every collective other than a parameter gather (reductions, qgZ's hops,
+   buffer broadcasts) is issued as soon as its input exists: the ops that
+   produce its input from the gradients move up to just after their own
+   inputs (a weight's gradient matmul among them).
+2. Parameter gathers are prefetched `Config.prefetch` buckets ahead, bounded
    by memory: gather k (in program order) is issued right after the last use
    of gather k - prefetch - 1's weights (the first prefetch + 1 gathers at the
    top of the graph), together with its ledger hook and the shard-side ops
@@ -15,10 +19,12 @@ unchanged):
    gather k crosses the wire while the compute of gathers k - prefetch .. k - 1
    runs, and at most prefetch + 1 gathered buckets are alive at any point,
    besides resident ones (weights the model reads again later, such as a tied
-   embedding: see `prefetch_gathers`).
-2. Every other collective (reductions, qgZ's hops, buffer broadcasts) is
-   issued as soon as its input exists: the ops that produce its input from the
-   gradients move up to just after their own inputs.
+   embedding: see `prefetch_gathers`). Given `Config.cost_model`, each gather
+   is issued instead as late as that bound still leaves it hidden: at the
+   last point where the estimated compute before its first use covers its
+   estimated transfer, on a link not busy with another collective then (see
+   `LinkTimeline`, which reads the compute in its order after step 1); where
+   no such point exists, as early as the bound allows.
 3. Every wait moves to just before the first node that uses its result. A
    gradient reduction (a result only the graph's output reads) is waited just
    before the reduction `prefetch + 1` places later is issued: it stays in
@@ -32,15 +38,17 @@ unchanged):
 Why a zppc pass and not torch's `schedule_overlap_bucketing`: torch's decides
 by estimated runtimes and a memory-ratio budget, and it reorders compute too.
 zppc's contract is a stated prefetch depth with a hard bound on gathered
-buckets alive, the same decisions on every rank (graph order and the config
-only) and identical behaviour under both lowerings (the eager lowering runs the
+buckets alive, the same decisions on every rank (graph order and the config,
+its cost model included, only) and identical behaviour under both lowerings (the eager lowering runs the
 graph in this order; for Inductor the backend keeps it, see `backend.py`).
 """
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
+
 import torch
-import torch.distributed as dist
 from torch import fx
 from zppc.passes.zero import (
     COLLECTIVE_KINDS,
@@ -49,6 +57,9 @@ from zppc.passes.zero import (
     CollectiveMatch,
     find_collectives,
 )
+from zppc.runtime.topology import group_backend, group_ranks
+
+from zppc.cost import CostModel
 
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 # A tail that reaches one of these is not a pure consumer of a result.
@@ -106,11 +117,16 @@ def overlap_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     order = _Order(graph)
     gathers = [m for m in matches if m.wait.meta.get(PARAM_GATHER)]
     others = [m for m in matches if not m.wait.meta.get(PARAM_GATHER)]
-    prefetch_gathers(graph, gathers, ctx.config.prefetch, order)
-    # Latest first: an earlier collective raised afterwards lands right after
-    # its inputs, ahead of the compute a later one pulled up.
+    # Step 1, latest first: an earlier collective raised afterwards lands right
+    # after its inputs, ahead of the compute a later one pulled up.
     for m in reversed(others):
         issue_early(m, order)
+    # The compute is in its final order now (raising a reduction's inputs
+    # moves compute: a weight's gradient matmul), so the cost model's clock
+    # is read from it.
+    cost = ctx.config.cost_model
+    timeline = LinkTimeline(graph, matches, gathers, cost) if cost is not None else None
+    prefetch_gathers(graph, gathers, ctx.config.prefetch, order, timeline)
     (output,) = graph.find_nodes(op="output")
     defer_reductions(others, ctx.config.prefetch + 1, output, order)
     for m in matches:
@@ -139,12 +155,16 @@ def weights_last_use(m: CollectiveMatch, order: _Order) -> fx.Node:
 
 
 def prefetch_gathers(
-    graph: fx.Graph, gathers: list[CollectiveMatch], prefetch: int, order: _Order
+    graph: fx.Graph,
+    gathers: list[CollectiveMatch],
+    prefetch: int,
+    order: _Order,
+    timeline: LinkTimeline | None = None,
 ) -> None:
-    """Step 1 of the module doc. A bucket whose weights outlive the next
+    """Step 2 of the module doc. A bucket whose weights outlive the next
     bucket's (a tied embedding, read at both ends of the forward) is resident:
     it stays where it is and does not count against the bound, or it would
-    stop all prefetching while it lives. Gathers that share a release point
+    stop all prefetching while it lives. Gathers that share an issue point
     keep their program order (one cursor per point)."""
     placeholders = graph.find_nodes(op="placeholder")
     if not gathers or not placeholders:
@@ -155,15 +175,108 @@ def prefetch_gathers(
         for k, (m, last) in enumerate(zip(gathers, last_uses, strict=True))
         if k + 1 == len(gathers) or order[last] < order[last_uses[k + 1]]
     ]
-    cursors: dict[fx.Node | None, _Cursor] = {}
+    cursors: dict[fx.Node, _Cursor] = {}
     for k, (m, _) in enumerate(streamed):
-        release = streamed[k - prefetch - 1][1] if k > prefetch else None
-        cursor = cursors.setdefault(release, _Cursor(release or placeholders[-1], order))
-        if order[m.issue] <= order[cursor.after]:
+        release = streamed[k - prefetch - 1][1] if k > prefetch else placeholders[-1]
+        if order[m.issue] <= order[release]:
             continue  # already issued earlier than the memory bound allows
+        point = release if timeline is None else timeline.latest_hidden_issue(m, release, order)
+        cursor = cursors.setdefault(point, _Cursor(point, order))
         _hoist(m.input, cursor)
         cursor.place(m.record)
         cursor.place(m.issue)
+
+
+class LinkTimeline:
+    """Estimated times of one graph under `Config.cost_model`, for issuing
+    each gather as late as still hides it. Compute runs in program order with
+    no stalls, each node at the cost model's time; the link carries one
+    collective at a time (as gloo's one-in-flight rule and the cost model's
+    replay have it). Every collective other than a gather is already where
+    step 1 issues it, and holds the link from then, first come first served;
+    a gather takes the latest free stretch of link, long enough for its
+    transfer, that ends before its first use and starts after its memory
+    bound. The estimates depend on the graph and the Config alone (each
+    collective costed at its group's first rank), so every rank decides
+    alike."""
+
+    def __init__(
+        self,
+        graph: fx.Graph,
+        matches: list[CollectiveMatch],
+        gathers: list[CollectiveMatch],
+        cost: CostModel,
+    ):
+        collective_nodes = {n for m in matches for n in (m.record, m.issue, m.wait)}
+        moving = {n for m in gathers for n in _private_producers(m.issue)}
+        self.compute: dict[fx.Node, float] = {}
+        self.clock: dict[fx.Node, float] = {}
+        """The compute clock after each node, in the graph's order after step 1."""
+        self.anchors: set[fx.Node] = set()
+        """The nodes that keep their place: the points a gather may be issued after."""
+        clock = 0.0
+        for node in graph.nodes:
+            # A gather's input chain (casts, quantization, the bucket's concat)
+            # moves with the gather: where it stands now, it hides nothing.
+            stays = node not in collective_nodes and node not in moving
+            self.compute[node] = cost.node_seconds(node) if stays else 0.0
+            clock += self.compute[node]
+            self.clock[node] = clock
+            if stays:
+                self.anchors.add(node)
+        self.seconds = {m: _transfer_seconds(m, cost) for m in matches}
+        self.busy: list[tuple[float, float]] = []
+        streamed_later = set(gathers)
+        link_free = 0.0
+        others = [m for m in matches if m not in streamed_later]
+        for m in sorted(others, key=lambda m: self.clock[m.issue]):
+            start = max(self.clock[m.issue], link_free)
+            link_free = start + self.seconds[m]
+            self._occupy(start, link_free)
+
+    def latest_hidden_issue(self, m: CollectiveMatch, release: fx.Node, order: _Order) -> fx.Node:
+        """The node after which to issue gather `m`: the latest one after
+        `release` from which its transfer ends, on a free link, before its
+        first use; `release` where there is none."""
+        use = min(m.wait.users, key=order.__getitem__)
+        seconds = self.seconds[m]
+        deadline = self.clock[use] - self.compute[use]
+        node = use.prev
+        while node is not release and node.op != "placeholder":
+            start = self.clock[node]
+            if node in self.anchors and start + seconds <= deadline and self._free(start, seconds):
+                self._occupy(start, start + seconds)
+                return node
+            node = node.prev
+        self._occupy_first_free(self.clock[release], seconds)
+        return release
+
+    def _free(self, start: float, seconds: float) -> bool:
+        k = bisect.bisect_left(self.busy, (start + seconds,))
+        return k == 0 or self.busy[k - 1][1] <= start
+
+    def _occupy(self, start: float, end: float) -> None:
+        if end > start:
+            bisect.insort(self.busy, (start, end))
+
+    def _occupy_first_free(self, start: float, seconds: float) -> None:
+        k = bisect.bisect_left(self.busy, (start,))
+        if k and self.busy[k - 1][1] > start:
+            start = self.busy[k - 1][1]
+        while k < len(self.busy) and self.busy[k][0] < start + seconds:
+            start = max(start, self.busy[k][1])
+            k += 1
+        self._occupy(start, start + seconds)
+
+
+def _transfer_seconds(m: CollectiveMatch, cost: CostModel) -> float:
+    """`m`'s time on the links, costed at its group's first rank (every rank
+    the same) under the algorithms its backend runs."""
+    from zppc.schedule import point_of, scheduled_collective
+
+    entry = scheduled_collective(point_of(m), "", 0, group_ranks(m.group_name)[0])
+    links = dataclasses.replace(cost.links, gloo=_on_gloo(m.group_name))
+    return dataclasses.replace(cost, links=links).collective_seconds(entry)
 
 
 def _hoist(node: fx.Node, cursor: _Cursor) -> None:
@@ -243,9 +356,9 @@ def one_in_flight_on_gloo(matches: list[CollectiveMatch], order: _Order) -> None
     next collective on the same group is issued: one collective in flight per
     group, still overlapping compute. Observed here: with several in flight on
     one gloo group (zppc's overlap, and FSDP2's prefetch alike), a rank now
-    and then died without a message, under load. NCCL (and the fake group the
-    planner uses) keep the full order. The backend is a property of the group,
-    the same on every rank."""
+    and then died without a message, under load. NCCL keeps the full order; a
+    plan does what the backend it plans for does. The backend is a property
+    of the group, the same on every rank."""
     latest: dict[str, CollectiveMatch] = {}
     for m in sorted(matches, key=lambda m: order[m.issue]):
         before = latest.get(m.group_name)
@@ -255,8 +368,11 @@ def one_in_flight_on_gloo(matches: list[CollectiveMatch], order: _Order) -> None
 
 
 def _on_gloo(group_name: str) -> bool:
-    group = dist.distributed_c10d._resolve_process_group(group_name)
-    return dist.get_backend(group) == "gloo"
+    """Whether the group runs on gloo: a plan's groups (the fake process group)
+    stand for the backend it plans for."""
+    from zppc.passes import planned_backend
+
+    return (planned_backend() or group_backend(group_name)) == "gloo"
 
 
 def _output_only_tail(wait: fx.Node, order: _Order) -> set[fx.Node]:

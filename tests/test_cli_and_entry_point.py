@@ -153,6 +153,7 @@ FLAG_CHANGES = [
     ((), ("--bucket-mb", "0.01")),
     ((), ("--reduce-scatter", "all_to_all")),
     (("--bucket-mb", "0.01"), ("--prefetch", "0")),
+    (("--bucket-mb", "0.01", "--prefetch", "2", "--tflops", "0.01"), ("--overlap", "cost")),
     ((), ("--keep-gathered-mb", "1")),
     # The cost model's compute: memory-bound ops, and the CPU's quantization ops.
     ((), ("--memory-bw", "1GB/s")),

@@ -14,6 +14,8 @@ from differential import FLOAT_NOISE, STEPS, Tolerance, compare, run_cases, snr_
 from models import MODELS
 from spawn import run_ranks
 
+from zppc.cost import Compute, CostModel, Links
+
 # qwZ changes numerics: int8 blocks of 64 keep every weight within half a step
 # (1/254) of its block's largest magnitude. Measured on the first step against
 # unquantized zppc: loss within 1.3e-3 relative, gradient signal-to-noise 38-47
@@ -101,6 +103,14 @@ STRATEGIES = {
     # Some weights kept gathered from forward to backward, the rest re-gathered
     # two buckets ahead (the overlap pass reorders; numerics must not move).
     "zero3-keep": dict(strategy="zero3", node_size=2, keep_gathered_bytes=40_000, prefetch=2),
+    # Gathers issued as late as a CPU's rates say still hides them, within
+    # two buckets ahead (the overlap pass reorders; numerics must not move).
+    "zero3-cost": dict(
+        strategy="zero3",
+        node_size=2,
+        prefetch=2,
+        cost_model=CostModel(Links(1e9, 1e9), Compute(10e9, 10e9)),
+    ),
     # Rotated weights: compiled runs the ring, eager gathers (the reference).
     "rtp": dict(strategy="rtp", node_size=2),
     # The ring's weight hops quantized (qwZ): checked like "zeropp".
@@ -139,7 +149,8 @@ def test_models_under_both_lowerings():
     strategies = [(s, STRATEGIES[s]) for s in ("ddp", "zero3")]
     cases = cases_for(strategies, ["batchnorm"], ["sgd"])
     cases += cases_for(strategies, ("gpt", "frozen", "even"), ["adamw"])
-    cases += cases_for([("zero3-keep", STRATEGIES["zero3-keep"])], ["gpt"], ["adamw"])
+    for variant in ("zero3-keep", "zero3-cost"):
+        cases += cases_for([(variant, STRATEGIES[variant])], ["gpt"], ["adamw"])
     run_matrix(2, cases, timeout=1440)
 
 
@@ -153,8 +164,8 @@ SLOW_MATRIX = {
 # qgZ's exact mode is checked against reduce-scatter for every strategy in
 # tests/test_qgz.py and under both lowerings above; the full matrix runs
 # qgZ quantized within "zeropp".
-# zero3-keep differs from zero3 only in the partition and the order: the GPT
-# case above covers it.
+# zero3-keep and zero3-cost differ from zero3 only in the partition and the
+# order: the GPT case above covers them.
 # rtp-qwz shares the ring with rtp and the quantization with zeropp (both run
 # at every size): it runs on 2 ranks only. zero3-native-rs differs from zero3
 # in the backward's collectives only; 2 ranks run it in the padded case above,
@@ -163,7 +174,7 @@ FULL_MATRIX = [
     (size, strategy)
     for size in SLOW_MATRIX
     for strategy in STRATEGIES
-    if strategy not in ("qgz-exact", "zero3-keep")
+    if strategy not in ("qgz-exact", "zero3-keep", "zero3-cost")
     and not (strategy == "rtp-qwz" and size != "2 ranks")
     and not (strategy == "zero3-native-rs" and size != "4 ranks")
 ]

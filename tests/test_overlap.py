@@ -11,6 +11,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from zppc.passes.zero import PARAM_GATHER, find_collectives
 
 import zppc
+from zppc.cost import Compute, CostModel, Links
 from zppc.models import GPT, PRESETS
 
 WORLD, NODE = 4, 2
@@ -135,29 +136,106 @@ def test_waits_at_first_use_and_reductions_issued_at_once(fake_rank):
     assert spans[-1][1] > matmuls[-1]
 
 
-def schedule_code_on_rank(rank: int) -> str:
+def schedule_code_on_rank(rank: int, **overrides) -> str:
     """The final graphs' code as `rank` builds them. Group names are
     process-local counters (and each rank's node group has other members), so
     groups are named by order of first use instead."""
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=WORLD)
     torch._dynamo.reset()
     try:
-        forward, backward = final_graphs(prefetch=1, qwz="int8", hpz=True)
+        forward, backward = final_graphs(**{"prefetch": 1, "qwz": "int8", "hpz": True, **overrides})
     finally:
         torch._dynamo.reset()
         dist.destroy_process_group()
+    return normalized_code(forward, backward)
+
+
+def normalized_code(*graphs) -> str:
     names: dict[str, str] = {}
     return re.sub(
         r"'(\d+)'",
         lambda g: names.setdefault(g.group(1), f"'group{len(names)}'"),
-        forward.code + backward.code,
+        "".join(gm.code for gm in graphs),
     )
 
 
-def test_every_rank_builds_the_same_schedule():
+# A CPU's rates: 10 GFLOP/s, 10 GB/s of memory, and links fast or slow
+# against them (bytes/s).
+CPU = Compute(10e9, 10e9)
+FAST_LINKS = CostModel(Links(100e9, 100e9), CPU)
+SLOW_LINKS = CostModel(Links(1e6, 1e6), CPU)
+
+
+@pytest.mark.parametrize("cost_model", [None, FAST_LINKS], ids=["earliest", "cost model"])
+def test_every_rank_builds_the_same_schedule(cost_model):
     # Rank 3 is on the other node from rank 0 and last in its own: every
     # rank-dependent branch a pass could take differs between the two.
-    assert schedule_code_on_rank(0) == schedule_code_on_rank(3)
+    assert schedule_code_on_rank(0, cost_model=cost_model) == schedule_code_on_rank(
+        3, cost_model=cost_model
+    )
+
+
+def streamed_gathers(gm):
+    """Parameter gathers in issue order with their gathered lifetimes, the
+    resident (tied embedding) one left out."""
+    pos = positions(gm)
+    gathers = [m for m in find_collectives(gm.graph) if m.wait.meta.get(PARAM_GATHER)]
+    gathers.sort(key=lambda m: pos[m.issue])
+    lifetimes = [gathered_lifetime(m, pos) for m in gathers]
+    return [
+        (m, life)
+        for k, (m, life) in enumerate(zip(gathers, lifetimes, strict=True))
+        if k + 1 == len(gathers) or life[1] < lifetimes[k + 1][1]
+    ]
+
+
+@pytest.mark.parametrize("fake_rank", [1], indirect=True)
+def test_cost_model_issues_each_gather_as_late_as_still_hides_it(fake_rank):
+    """With links fast against compute, a gather is issued after the compute
+    that hides it, not `prefetch` buckets ahead: the gathered buckets live
+    shorter, the bound still holds, and the estimated step is no slower.
+    With links slower than any compute, nothing hides a gather: the schedule
+    is the one without a cost model."""
+    from zppc.cost import simulate
+    from zppc.schedule import graph_schedule
+
+    prefetch = 2
+    graphs = {}
+    for name, cost in (("earliest", None), ("cost", FAST_LINKS), ("slow", SLOW_LINKS)):
+        torch._dynamo.reset()
+        graphs[name] = final_graphs(prefetch=prefetch, cost_model=cost)
+    for earliest, late in zip(graphs["earliest"], graphs["cost"], strict=True):
+        before, after = streamed_gathers(earliest), streamed_gathers(late)
+        assert len(before) == len(after) >= 4
+        pos = positions(late)
+        assert most_alive([life for _, life in after]) <= prefetch + 1
+        for m, (issue, _) in after:
+            assert issue < first_use(m, pos)
+            matmuls = [p for p in matmul_positions(late, pos) if issue < p < first_use(m, pos)]
+            assert len(matmuls) <= 1, "issued earlier than the compute that hides it"
+        assert sum(b - a for _, (a, b) in after) < sum(b - a for _, (a, b) in before)
+    # Estimated step at the same rates: no slower for issuing later.
+    steps = {
+        name: simulate(
+            [
+                (kind, gm, graph_schedule(gm, kind, 1))
+                for kind, gm in zip(("forward", "backward"), pair, strict=True)
+            ],
+            FAST_LINKS.links,
+            FAST_LINKS.compute,
+        ).step_seconds
+        for name, pair in graphs.items()
+        if name != "slow"
+    }
+    assert steps["cost"] <= steps["earliest"] * (1 + 1e-9), steps
+    assert normalized_code(*graphs["slow"]) == normalized_code(*graphs["earliest"])
+
+
+def test_cost_model_is_checked():
+    with pytest.raises(ValueError, match="cost_model must be a zppc.cost.CostModel"):
+        zppc.Config(cost_model=Links(1e9, 1e9))
+    with pytest.raises(ValueError, match="takes a zppc.cost.Links and a zppc.cost.Compute"):
+        CostModel(Links(1e9, 1e9), 1e12)
 
 
 @pytest.mark.slow

@@ -30,6 +30,7 @@ _COMPARABLE = {
     "osp": lambda v: None if v == "none" else float(v),
     "bucket_mb": float,
     "prefetch": int,
+    "overlap": str,
     "keep_gathered_mb": float,
 }
 
@@ -205,7 +206,7 @@ def _plan(args: argparse.Namespace) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import zppc
-    from zppc.cost import collective_seconds, graph_flops, simulate
+    from zppc.cost import CostModel, collective_seconds, graph_flops, simulate
     from zppc.passes import planning
     from zppc.schedule import graph_schedule
 
@@ -219,6 +220,12 @@ def _plan(args: argparse.Namespace) -> dict:
             model, inputs, traced_tokens = _model_and_inputs(
                 args.model, args.seq, args.tokens_per_rank
             )
+        # The graphs were traced on `traced_tokens` (the tokens per rank, rounded
+        # down to whole sequences); FLOPs scale to the tokens computed (a
+        # factory's model computes on its example inputs as they are).
+        scale = args.tokens_per_rank / traced_tokens if traced_tokens else 1.0
+        if args.overlap == "cost":
+            config = dataclasses.replace(config, cost_model=CostModel(links, rate, scale))
         # Inside the plan: what `distribute` decides for the backend (OSP's
         # stage-2 algorithm) is decided for the one planned.
         with planning(args.kernels, args.backend):
@@ -236,10 +243,6 @@ def _plan(args: argparse.Namespace) -> dict:
             for kind in ("forward", "backward")
             if kind in record.final
         ]
-        # The graphs were traced on `traced_tokens` (the tokens per rank, rounded
-        # down to whole sequences); FLOPs scale to the tokens computed (a
-        # factory's model computes on its example inputs as they are).
-        scale = args.tokens_per_rank / traced_tokens if traced_tokens else 1.0
         estimate = simulate(graphs, links, rate, flop_scale=scale)
         flops = sum(graph_flops(gm) for _, gm, _ in graphs) * scale
     finally:
@@ -488,6 +491,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     s.add_argument(
         "--prefetch", type=int, default=1, help="gathered buckets issued ahead of the one in use"
+    )
+    s.add_argument(
+        "--overlap",
+        choices=["earliest", "cost"],
+        default="earliest",
+        help="when gathers are issued: as early as --prefetch allows, or as late as this "
+        "plan's links and compute rate still hide them (Config.cost_model)",
     )
     s.add_argument(
         "--keep-gathered-mb",

@@ -126,6 +126,18 @@ class Config:
     when the previous bucket's weights are dead (no overlap of gathers with
     their predecessors' compute, least memory)."""
 
+    cost_model: Any = None
+    """A `zppc.cost.CostModel` (links and compute rates) the `overlap` pass
+    plans with: each gather is issued as late as the estimated compute before
+    its first use still hides its transfer, on a link free of other
+    collectives then, and never earlier than `prefetch` allows: the gathered
+    bucket lives no longer than it must, and a gather issued into a busy
+    link no longer stalls (on gloo, issuing a collective waits for the one in
+    flight on its group). Where nothing hides it, as early as `prefetch`
+    allows. `zppc schedule --overlap cost` plans with its own rates. None:
+    every gather as early as `prefetch` allows (right when links are slower
+    than compute)."""
+
     keep_gathered_bytes: int = 0
     """zero3 only: weights whose gathered bytes fit in this budget stay gathered
     from forward to backward instead of being re-gathered (FSDP2's
@@ -214,6 +226,14 @@ class Config:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if self.cost_model is not None:
+            from zppc.cost import CostModel
+
+            if not isinstance(self.cost_model, CostModel):
+                raise ValueError(
+                    "cost_model must be a zppc.cost.CostModel or None, "
+                    f"got {type(self.cost_model).__name__}"
+                )
         if self.keep_gathered_bytes and self.strategy != "zero3":
             raise ValueError(
                 "keep_gathered_bytes applies to strategy='zero3' (the other strategies keep "

@@ -172,6 +172,35 @@ class Compute:
 
 
 @dataclass(frozen=True)
+class CostModel:
+    """The rates one step is estimated with: what `zppc schedule` predicts a
+    step with, and, given as `Config.cost_model`, what the `overlap` pass
+    decides when to issue each gather with."""
+
+    links: Links
+    compute: Compute
+    flop_scale: float = 1.0
+    """The tokens computed over the tokens traced (a plan traces fewer)."""
+
+    def __post_init__(self):
+        if not isinstance(self.links, Links) or not isinstance(self.compute, Compute):
+            raise ValueError(
+                "CostModel(links, compute) takes a zppc.cost.Links and a zppc.cost.Compute, "
+                f"got {type(self.links).__name__} and {type(self.compute).__name__}"
+            )
+        if not self.flop_scale > 0:
+            raise ValueError(f"flop_scale must be positive, got {self.flop_scale}")
+
+    def node_seconds(self, node: fx.Node) -> float:
+        """One node's compute time (0 for a node outside the compute stream)."""
+        return self.compute.seconds(node, self.flop_scale)
+
+    def collective_seconds(self, entry) -> float:
+        """A scheduled collective's time on the links (`collective_seconds`)."""
+        return collective_seconds(self.links, entry)
+
+
+@dataclass(frozen=True)
 class Span:
     """One interval of the replayed step on one track ("compute" or
     "communication"), in seconds from the start of the step."""

@@ -63,17 +63,7 @@ class SchedulePoint:
 
 def schedule_points(graph: fx.Graph) -> list[SchedulePoint]:
     """Every collective of a final graph, in program order of its issue."""
-    points = [
-        SchedulePoint(
-            m.issue,
-            m.wait,
-            m.kind,
-            m.group_name,
-            m.input.meta["val"],
-            m.wait.meta.get(UNQUANTIZED_BYTES),
-        )
-        for m in find_collectives(graph)
-    ]
+    points = [point_of(m) for m in find_collectives(graph)]
     for node in graph.find_nodes(op="call_function", target=OSP_ISSUE):
         points += stage2_points(node)
     for node in graph.nodes:
@@ -120,35 +110,52 @@ class CompileRecord:
 
 def graph_schedule(gm: fx.GraphModule, graph: str, rank: int) -> list[ScheduledCollective]:
     """The collectives of one graph in program order of their issue."""
-    result = []
-    for point in schedule_points(gm.graph):
-        kind, group_name = point.kind, point.group_name
-        ranks = group_ranks(group_name)
-        if point.ring_bytes is not None:
-            per_peer = point.ring_bytes
-            intra, inter, link = ring_received(group_name, rank, per_peer)
-        else:
-            per_peer = bytes_per_peer(kind, point.sent, len(ranks))
-            intra, inter = received(kind, group_name, rank, per_peer)
-            link = node_link_bytes(kind, group_name, rank, per_peer)
-        unquantized = point.unquantized_bytes_per_peer
-        result.append(
-            ScheduledCollective(
-                graph=graph,
-                index=len(result),
-                kind=kind,
-                group_name=group_name,
-                group_size=len(ranks),
-                bytes_per_peer=per_peer,
-                intra_node_bytes=intra,
-                inter_node_bytes=inter,
-                unquantized_bytes_per_peer=per_peer if unquantized is None else unquantized,
-                node_link_bytes=link,
-                stage=point.stage,
-                ring=point.ring_bytes is not None,
-            )
-        )
-    return result
+    return [
+        scheduled_collective(point, graph, index, rank)
+        for index, point in enumerate(schedule_points(gm.graph))
+    ]
+
+
+def point_of(match) -> SchedulePoint:
+    """The schedule point of one `CollectiveMatch`."""
+    return SchedulePoint(
+        match.issue,
+        match.wait,
+        match.kind,
+        match.group_name,
+        match.input.meta["val"],
+        match.wait.meta.get(UNQUANTIZED_BYTES),
+    )
+
+
+def scheduled_collective(
+    point: SchedulePoint, graph: str, index: int, rank: int
+) -> ScheduledCollective:
+    """One collective as `rank` sees it: the bytes it receives over each link."""
+    kind, group_name = point.kind, point.group_name
+    ranks = group_ranks(group_name)
+    if point.ring_bytes is not None:
+        per_peer = point.ring_bytes
+        intra, inter, link = ring_received(group_name, rank, per_peer)
+    else:
+        per_peer = bytes_per_peer(kind, point.sent, len(ranks))
+        intra, inter = received(kind, group_name, rank, per_peer)
+        link = node_link_bytes(kind, group_name, rank, per_peer)
+    unquantized = point.unquantized_bytes_per_peer
+    return ScheduledCollective(
+        graph=graph,
+        index=index,
+        kind=kind,
+        group_name=group_name,
+        group_size=len(ranks),
+        bytes_per_peer=per_peer,
+        intra_node_bytes=intra,
+        inter_node_bytes=inter,
+        unquantized_bytes_per_peer=per_peer if unquantized is None else unquantized,
+        node_link_bytes=link,
+        stage=point.stage,
+        ring=point.ring_bytes is not None,
+    )
 
 
 # Compile records of undistributed models (ddp fallback) live here; those of a
