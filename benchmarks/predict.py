@@ -43,6 +43,7 @@ _FLAGS = {
     "qgz": "--qgz",
     "osp": "--osp",
     "reduce_scatter": "--reduce-scatter",
+    "prefetch": "--prefetch",
 }
 
 
@@ -56,6 +57,8 @@ def schedule_flags(config: str) -> list[str] | None:
     for key, value in fields.items():
         if key == "hpz":
             flags += ["--hpz"] if value else []
+        elif key == "cost_model":
+            flags += ["--overlap", "cost"]
         elif key == "keep_gathered_bytes":
             flags += ["--keep-gathered-mb", str(value / 2**20)]
         elif key in _FLAGS:

@@ -64,6 +64,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="comma-separated subset of (default: all): " + ", ".join(CONFIGS),
     )
+    p.add_argument(
+        "--compute-slowdown",
+        type=float,
+        default=3.54,
+        help="one thread's measured rates over a rank's here (ranks share the cores), for the "
+        "rows that plan with a cost model; default: benchmarks/predict.py's calibration on "
+        "the twelfth run",
+    )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per configuration")
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument(
@@ -118,6 +126,12 @@ def run_config(cluster: EmulatedCluster, name: str, args) -> dict:
         if args.bucket_mb is not None:
             script.append(f"--bucket-mb={args.bucket_mb}")
         script.append(f"--reduce-scatter={args.reduce_scatter}")
+        # The cluster as the cost model reads it (rows with cost_model="cluster").
+        script += [
+            f"--link-bits-per-second={args.link_bits_per_second:.6g}",
+            f"--flops-per-second={args.machine_rates['flops_per_second'] / args.compute_slowdown:.6g}",
+            f"--memory-bytes-per-second={args.machine_rates['memory_bytes_per_second'] / args.compute_slowdown:.6g}",
+        ]
         before = cluster.bytes_left_nodes()
         start = time.monotonic()
         cluster.launch(
@@ -139,10 +153,10 @@ def main(argv=None) -> int:
     names = args.configs.split(",")
     report = {"args": {k: str(v) for k, v in vars(args).items()}, "links": []}
     # One thread's compute rates, for benchmarks/predict.py's cost model.
-    report["machine_rates"] = measure_rates()
+    report["machine_rates"] = args.machine_rates = measure_rates()
     for rate in args.inter_bw.split(","):
         with EmulatedCluster(nodes=args.nodes, rate=rate, latency=args.latency) as cluster:
-            measured = cluster.measure_link()
+            measured = args.link_bits_per_second = cluster.measure_link()
             link = {
                 "rate": rate,
                 "set_bits_per_second": rate_bits(rate),

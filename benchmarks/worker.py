@@ -36,6 +36,10 @@ CONFIGS: dict[str, tuple[str, dict | None]] = {
     # Weights kept gathered from forward to backward (what DeepSpeed's
     # prefetcher does for a model this small; FSDP2's reshard_after_forward=False).
     "zppc-zero3-keep": ("zppc", {"strategy": "zero3", "keep_gathered_bytes": 2**30}),
+    # Gathers issued as late as the cost model (the cluster's measured link
+    # and compute rates) says still hides them, up to two buckets ahead.
+    "zppc-zero3-cost": ("zppc", {"strategy": "zero3", "prefetch": 2, "cost_model": "cluster"}),
+    "zppc-zero3-prefetch2": ("zppc", {"strategy": "zero3", "prefetch": 2}),
     "zppc-zero3-qwz-int8": ("zppc", {"strategy": "zero3", "qwz": "int8"}),
     "zppc-zero3-qwz-int4": ("zppc", {"strategy": "zero3", "qwz": "int4"}),
     "zppc-zero3-hpz": ("zppc", {"strategy": "zero3", "hpz": True}),
@@ -62,7 +66,7 @@ def why_not_runnable(name: str) -> str | None:
         import zppc
 
         try:
-            zppc.Config(**fields)
+            zppc.Config(**{k: v for k, v in fields.items() if k != "cost_model"})
         except NotImplementedError as exc:
             return str(exc)
     return None
@@ -116,10 +120,22 @@ def build(name: str, model, args):
     if args.bucket_mb is not None:
         fields = {**fields, "bucket_bytes": int(args.bucket_mb * 2**20)}
     fields = {"reduce_scatter": args.reduce_scatter, **fields}
+    if fields.get("cost_model") == "cluster":
+        fields["cost_model"] = cluster_cost_model(args)
     node_size = getattr(args, "node_size", None) or int(os.environ["LOCAL_WORLD_SIZE"])
     config = zppc.Config(**fields, lowering=args.lowering, node_size=node_size)
     zppc.distribute(model, config)
     return torch.compile(model, backend="zppc"), torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+
+def cluster_cost_model(args):
+    """The emulated cluster as benchmarks/predict.py reads it: the node's one
+    shaped link at its measured rate, gloo's algorithms, loopback within a
+    node (free next to it), and a rank's share of the cores."""
+    from zppc.cost import Compute, CostModel, Links
+
+    links = Links(10e9, args.link_bits_per_second / 8, 0.0, inter_per_node=True, gloo=True)
+    return CostModel(links, Compute(args.flops_per_second, args.memory_bytes_per_second))
 
 
 def main() -> None:
@@ -134,6 +150,9 @@ def main() -> None:
     p.add_argument("--lowering", default="eager")
     p.add_argument("--bucket-mb", type=float, default=None)
     p.add_argument("--reduce-scatter", default="auto")
+    p.add_argument("--link-bits-per-second", type=float, default=None)
+    p.add_argument("--flops-per-second", type=float, default=None)
+    p.add_argument("--memory-bytes-per-second", type=float, default=None)
     p.add_argument("--result", required=True)
     args = p.parse_args()
     torch.set_num_threads(1)
