@@ -187,6 +187,13 @@ def prefetch_gathers(
         cursor.place(m.issue)
 
 
+# A gather is issued where the compute before its use would hide its
+# estimated transfer this many times over: the estimates are good to tens of
+# percent (benchmarks/predict.py), and a gather late by its estimate's error
+# stalls compute, where one early costs only memory for a while.
+HIDING_MARGIN = 2.0
+
+
 class LinkTimeline:
     """Estimated times of one graph under `Config.cost_model`, for issuing
     each gather as late as still hides it. Compute runs in program order with
@@ -236,15 +243,16 @@ class LinkTimeline:
 
     def latest_hidden_issue(self, m: CollectiveMatch, release: fx.Node, order: _Order) -> fx.Node:
         """The node after which to issue gather `m`: the latest one after
-        `release` from which its transfer ends, on a free link, before its
-        first use; `release` where there is none."""
+        `release` from which its transfer, `HIDING_MARGIN` times over, ends on
+        a free link before its first use; `release` where there is none."""
         use = min(m.wait.users, key=order.__getitem__)
         seconds = self.seconds[m]
+        hiding = HIDING_MARGIN * seconds
         deadline = self.clock[use] - self.compute[use]
         node = use.prev
         while node is not release and node.op != "placeholder":
             start = self.clock[node]
-            if node in self.anchors and start + seconds <= deadline and self._free(start, seconds):
+            if node in self.anchors and start + hiding <= deadline and self._free(start, hiding):
                 self._occupy(start, start + seconds)
                 return node
             node = node.prev
