@@ -11,8 +11,8 @@ reference's aten ops), and each op charged the longer of its FLOPs and its
 bytes at this machine's measured one-thread rates (benchmarks/machine.py; the
 run's own record, else --rates). The ranks share the cores, so both rates are
 scaled by one factor, calibrated once, from one row (default: zppc-zero3 on
-the fastest link): the plan's one-thread compute time over the row's measured
-step minus its predicted link time. The other rows are predictions. Prints a
+the fastest link): the factor at which that row's predicted step equals its
+measured one (`solve_slowdown`). The other rows are predictions. Prints a
 markdown table with the errors.
 """
 
@@ -118,10 +118,14 @@ def predictions(
     # the measured step minus that link time.
     fastest = links[0]
     measured = next(r for link, r in rows if link is fastest and r["config"] == calibrate)
-    probe = plan(run_args, calibrate, fastest["measured_bits_per_second"], rates)
-    compute = measured["median_step_seconds"] - probe["communication_seconds"]
-    slowdown = compute / probe["compute_seconds"]
-    cluster_rates = {key: rates[key] / slowdown for key in _RATES}
+    bits = fastest["measured_bits_per_second"]
+    probe = plan(run_args, calibrate, bits, rates)
+    slowdown = solve_slowdown(
+        lambda s: plan(run_args, calibrate, bits, _scaled(rates, s))["step_seconds"],
+        measured["median_step_seconds"],
+        probe,
+    )
+    cluster_rates = _scaled(rates, slowdown)
     calibration = {
         "config": calibrate,
         "link": fastest["rate"],
@@ -149,6 +153,29 @@ def predictions(
     return calibration, table
 
 
+def _scaled(rates: dict, slowdown: float) -> dict:
+    return {key: rates[key] / slowdown for key in _RATES}
+
+
+def solve_slowdown(step_at, measured: float, probe: dict, tolerance: float = 1e-3) -> float:
+    """The factor by which a rank computes slower than one thread, at which the
+    plan's step (`step_at(factor)`, growing with it) equals the measured step.
+    It starts from the serial reading (the measured step minus the plan's
+    link time, over its one-thread compute time), which the link time the
+    plan hides makes too small, and takes secant steps."""
+    a = (measured - probe["communication_seconds"]) / probe["compute_seconds"]
+    fa = step_at(a) - measured
+    b = a - fa / probe["compute_seconds"]  # the step grows by at most the compute
+    for _ in range(8):
+        if abs(fa) <= tolerance * measured:
+            return a
+        fb = step_at(b) - measured
+        if fb == fa:
+            return b
+        a, fa, b = b, fb, b - fb * (b - a) / (fb - fa)
+    raise SystemExit(f"predict.py: no slowdown reproduces the calibration row's {measured:.3f} s")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("bench", type=Path, help="a bench.json of benchmarks/run.py")
@@ -167,10 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"one thread: {one['flops_per_second'] / 1e9:.1f} GFLOP/s, "
         f"{one['memory_bytes_per_second'] / 1e9:.2f} GB/s elementwise; both / {c['slowdown']:.2f}, "
-        f"calibrated on {c['config']} at {c['link']}: {c['step_seconds']:.3f} s measured - "
-        f"{c['link_seconds']:.3f} s predicted link time = {c['slowdown']:.2f} x the plan's "
-        f"{c['one_thread_compute_seconds']:.3f} s at one thread's rates "
-        f"({c['flops'] / 1e9:.2f} GFLOP a step)\n"
+        f"calibrated on {c['config']} at {c['link']}: at {c['slowdown']:.2f} x the plan's "
+        f"{c['one_thread_compute_seconds']:.3f} s of compute at one thread's rates "
+        f"({c['flops'] / 1e9:.2f} GFLOP a step) and {c['link_seconds']:.3f} s of link time, "
+        f"its predicted step is the {c['step_seconds']:.3f} s measured\n"
     )
     print("| link (measured) | configuration | measured step (s) | predicted step (s) | error |")
     print("|---|---|---:|---:|---:|")

@@ -362,11 +362,9 @@ def test_the_plan_predicts_a_recorded_cluster_run():
     rows = {(r["link"], r["config"]): r for r in table}
     assert rows["1gbit", "zppc-zero3"]["calibration"]
     calibrated = rows["1gbit", "zppc-zero3"]
-    # The calibration reads the cluster's compute as the measured step minus
-    # the plan's link time: the calibrated row comes back to within the link
-    # time the plan hides (gloo's one collective in flight leaves little).
+    # The slowdown is solved for: the calibrated row reproduces its measurement.
     assert calibrated["predicted_seconds"] == pytest.approx(
-        calibrated["measured_seconds"], rel=0.01
+        calibrated["measured_seconds"], rel=1e-3
     )
     for link in ("1gbit", "100mbit"):
         for config in ("zppc-zero3", "zppc-zero++"):
