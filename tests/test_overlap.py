@@ -231,6 +231,24 @@ def test_cost_model_issues_each_gather_as_late_as_still_hides_it(fake_rank):
     assert normalized_code(*graphs["slow"]) == normalized_code(*graphs["earliest"])
 
 
+@pytest.mark.parametrize("fake_rank", [1], indirect=True)
+def test_inspect_estimates_with_the_cost_model_the_pass_planned_with(fake_rank):
+    from zppc.cost import simulate
+    from zppc.schedule import graph_schedule
+
+    config = zppc.Config(node_size=NODE, lowering="eager", cost_model=FAST_LINKS)
+    model = zppc.distribute(GPT(PRESETS["gpt-tiny"]), config)
+    step = torch.compile(model, backend="zppc")
+    tokens = torch.randint(0, PRESETS["gpt-tiny"].vocab_size, (2, 17))
+    step(tokens[:, :-1], tokens[:, 1:]).backward()
+    inspection = zppc.inspect(step)
+    (record,) = inspection.compiles
+    graphs = [(k, record.final[k], graph_schedule(record.final[k], k, 1)) for k in record.final]
+    planned = simulate(graphs, FAST_LINKS.links, FAST_LINKS.compute)
+    assert inspection.estimate().step_seconds == planned.step_seconds
+    assert inspection.estimate(flops_per_second=1e9).step_seconds != planned.step_seconds
+
+
 def test_cost_model_is_checked():
     with pytest.raises(ValueError, match="cost_model must be a zppc.cost.CostModel"):
         zppc.Config(cost_model=Links(1e9, 1e9))

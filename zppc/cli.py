@@ -224,8 +224,10 @@ def _plan(args: argparse.Namespace) -> dict:
         # down to whole sequences); FLOPs scale to the tokens computed (a
         # factory's model computes on its example inputs as they are).
         scale = args.tokens_per_rank / traced_tokens if traced_tokens else 1.0
+        # One cost model predicts the step and, with --overlap cost, places the gathers.
+        cost = CostModel(links, rate, scale)
         if args.overlap == "cost":
-            config = dataclasses.replace(config, cost_model=CostModel(links, rate, scale))
+            config = dataclasses.replace(config, cost_model=cost)
         # Inside the plan: what `distribute` decides for the backend (OSP's
         # stage-2 algorithm) is decided for the one planned.
         with planning(args.kernels, args.backend):
@@ -243,7 +245,7 @@ def _plan(args: argparse.Namespace) -> dict:
             for kind in ("forward", "backward")
             if kind in record.final
         ]
-        estimate = simulate(graphs, links, rate, flop_scale=scale)
+        estimate = simulate(graphs, cost.links, cost.compute, flop_scale=cost.flop_scale)
         flops = sum(graph_flops(gm) for _, gm, _ in graphs) * scale
     finally:
         dist.destroy_process_group()

@@ -129,8 +129,9 @@ class Config:
     cost_model: Any = None
     """A `zppc.cost.CostModel` (links and compute rates) the `overlap` pass
     plans with: each gather is issued as late as the estimated compute before
-    its first use still hides its transfer, on a link free of other
-    collectives then, and never earlier than `prefetch` allows: the gathered
+    its first use still hides its transfer twice over (estimates are good to
+    tens of percent), on a link free of other collectives then, and never
+    earlier than `prefetch` allows: the gathered
     bucket lives no longer than it must, and a gather issued into a busy
     link no longer stalls (on gloo, issuing a collective waits for the one in
     flight on its group). Where nothing hides it, as early as `prefetch`

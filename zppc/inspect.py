@@ -49,10 +49,11 @@ class Inspection:
         memory_bytes_per_second: float | None = None,
     ):
         """The step replayed by zppc's cost model (`zppc.cost.simulate`) on the
-        final graphs: default links and rates are `zppc schedule`'s (300 GB/s
-        intra-node, 100 Gbit/s inter-node, 5 us, an A100's float32 peak; bytes
-        charged only with a memory rate); FLOPs and bytes are those of the
-        traced shapes."""
+        final graphs. Given none of the rates, those of `Config.cost_model`
+        (what the `overlap` pass planned with), else `zppc schedule`'s defaults
+        (300 GB/s intra-node, 100 Gbit/s inter-node, 5 us, an A100's float32
+        peak; bytes charged only with a memory rate); FLOPs and bytes are those
+        of the traced shapes."""
         import torch.distributed as dist
 
         from zppc.cost import DEFAULT_LINKS, device_rates, simulate
@@ -65,6 +66,10 @@ class Inspection:
             for kind in GRAPH_KINDS
             if kind in record.final
         ]
+        planned = next((r.config.cost_model for r in self.compiles if r.config.cost_model), None)
+        given = (links, flops_per_second, memory_bytes_per_second)
+        if planned is not None and all(g is None for g in given):
+            return simulate(graphs, planned.links, planned.compute, flop_scale=planned.flop_scale)
         tflops = flops_per_second / 1e12 if flops_per_second else None
         rates = device_rates("A100", tflops, False, memory_bytes_per_second)
         return simulate(graphs, links or DEFAULT_LINKS, rates)
