@@ -59,7 +59,7 @@ from zppc.passes.zero import (
 )
 from zppc.runtime.topology import group_backend, group_ranks
 
-from zppc.cost import CostModel
+from zppc.cost import CostModel, collective_seconds
 
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 # A tail that reaches one of these is not a pure consumer of a result.
@@ -283,8 +283,7 @@ def _transfer_seconds(m: CollectiveMatch, cost: CostModel) -> float:
     from zppc.schedule import point_of, scheduled_collective
 
     entry = scheduled_collective(point_of(m), "", 0, group_ranks(m.group_name)[0])
-    links = dataclasses.replace(cost.links, gloo=_on_gloo(m.group_name))
-    return dataclasses.replace(cost, links=links).collective_seconds(entry)
+    return collective_seconds(dataclasses.replace(cost.links, gloo=_on_gloo(m.group_name)), entry)
 
 
 def _hoist(node: fx.Node, cursor: _Cursor) -> None:

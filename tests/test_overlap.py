@@ -28,16 +28,21 @@ def fake_rank(request):
     dist.destroy_process_group()
 
 
+def one_step(preset: str, **config):
+    """`zppc.inspect` of one compiled step of a GPT preset, on 2 x 2, eager lowering."""
+    torch.manual_seed(0)
+    config = zppc.Config(**{"node_size": NODE, "lowering": "eager", **config})
+    model = zppc.distribute(GPT(PRESETS[preset]), config)
+    step = torch.compile(model, backend="zppc")
+    tokens = torch.randint(0, PRESETS[preset].vocab_size, (2, 17))
+    step(tokens[:, :-1], tokens[:, 1:]).backward()
+    return zppc.inspect(step)
+
+
 def final_graphs(**overrides):
     """Forward and backward graphs of one gpt-small step, zero3 on 2 x 2,
     buckets of about one transformer block."""
-    config = dict(node_size=NODE, lowering="eager", bucket_bytes=3 * 2**20, **overrides)
-    torch.manual_seed(0)
-    model = zppc.distribute(GPT(PRESETS["gpt-small"]), zppc.Config(**config))
-    step = torch.compile(model, backend="zppc")
-    tokens = torch.randint(0, PRESETS["gpt-small"].vocab_size, (2, 17))
-    step(tokens[:, :-1], tokens[:, 1:]).backward()
-    (compile_record,) = zppc.inspect(step).compiles
+    (compile_record,) = one_step("gpt-small", bucket_bytes=3 * 2**20, **overrides).compiles
     return compile_record.final["forward"], compile_record.final["backward"]
 
 
@@ -236,12 +241,7 @@ def test_inspect_estimates_with_the_cost_model_the_pass_planned_with(fake_rank):
     from zppc.cost import simulate
     from zppc.schedule import graph_schedule
 
-    config = zppc.Config(node_size=NODE, lowering="eager", cost_model=FAST_LINKS)
-    model = zppc.distribute(GPT(PRESETS["gpt-tiny"]), config)
-    step = torch.compile(model, backend="zppc")
-    tokens = torch.randint(0, PRESETS["gpt-tiny"].vocab_size, (2, 17))
-    step(tokens[:, :-1], tokens[:, 1:]).backward()
-    inspection = zppc.inspect(step)
+    inspection = one_step("gpt-tiny", cost_model=FAST_LINKS)
     (record,) = inspection.compiles
     graphs = [(k, record.final[k], graph_schedule(record.final[k], k, 1)) for k in record.final]
     planned = simulate(graphs, FAST_LINKS.links, FAST_LINKS.compute)
@@ -313,12 +313,7 @@ def test_keep_gathered_saves_the_last_weights_instead_of_regathering(fake_rank):
     assert not [v for v in saved if v.dim() == 2 and v.shape[1] == 256 and v.shape[0] >= 256]
     budget = 2 * 2**20
     torch._dynamo.reset()
-    config = zppc.Config(node_size=NODE, lowering="eager", keep_gathered_bytes=budget)
-    model = zppc.distribute(GPT(PRESETS["gpt-small"]), config)
-    step = torch.compile(model, backend="zppc")
-    tokens = torch.randint(0, PRESETS["gpt-small"].vocab_size, (2, 17))
-    step(tokens[:, :-1], tokens[:, 1:]).backward()
-    inspection = zppc.inspect(step)
+    inspection = one_step("gpt-small", keep_gathered_bytes=budget)
     (record,) = inspection.compiles
     kept = record.kept_gathered
     # The last block's weights (the forward's last gathers; the tied embedding,

@@ -206,7 +206,7 @@ def _plan(args: argparse.Namespace) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import zppc
-    from zppc.cost import CostModel, collective_seconds, graph_flops, simulate
+    from zppc.cost import CostModel, collective_seconds, graph_flops
     from zppc.passes import planning
     from zppc.schedule import graph_schedule
 
@@ -245,7 +245,7 @@ def _plan(args: argparse.Namespace) -> dict:
             for kind in ("forward", "backward")
             if kind in record.final
         ]
-        estimate = simulate(graphs, cost.links, cost.compute, flop_scale=cost.flop_scale)
+        estimate = cost.simulate(graphs)
         flops = sum(graph_flops(gm) for _, gm, _ in graphs) * scale
     finally:
         dist.destroy_process_group()

@@ -195,9 +195,9 @@ class CostModel:
         """One node's compute time (0 for a node outside the compute stream)."""
         return self.compute.seconds(node, self.flop_scale)
 
-    def collective_seconds(self, entry) -> float:
-        """A scheduled collective's time on the links (`collective_seconds`)."""
-        return collective_seconds(self.links, entry)
+    def simulate(self, graphs: list[tuple[str, fx.GraphModule, list]]) -> StepEstimate:
+        """`simulate` at these rates."""
+        return simulate(graphs, self.links, self.compute, flop_scale=self.flop_scale)
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,7 @@ class Inspection:
         planned = next((r.config.cost_model for r in self.compiles if r.config.cost_model), None)
         given = (links, flops_per_second, memory_bytes_per_second)
         if planned is not None and all(g is None for g in given):
-            return simulate(graphs, planned.links, planned.compute, flop_scale=planned.flop_scale)
+            return planned.simulate(graphs)
         tflops = flops_per_second / 1e12 if flops_per_second else None
         rates = device_rates("A100", tflops, False, memory_bytes_per_second)
         return simulate(graphs, links or DEFAULT_LINKS, rates)
