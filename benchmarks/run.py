@@ -6,9 +6,10 @@
 For each link speed, builds the cluster (benchmarks/cluster.py), measures the
 shaped link, then runs every configuration (benchmarks/worker.py) with the same
 model, data, seed and steps. Configurations that cannot run here are listed
-with the reason, never skipped silently; a peer's (not zppc's) row whose run
-fails is run once more, the first failure kept in the row as
-`retried_after`. Prints a markdown table and writes
+with the reason, never skipped silently; a row whose run fails before any rank
+finished its first step (gloo aborts at start-up now and then on a busy
+machine) is run once more, the first failure kept in the row as
+`retried_after`; a failure after that is the row's result. Prints a markdown table and writes
 bench.json and bench.png into --out.
 """
 
@@ -26,7 +27,7 @@ sys.path.insert(0, str(HERE))
 
 from cluster import ClusterError, EmulatedCluster, require_privileges  # noqa: E402
 from machine import measure_rates  # noqa: E402
-from worker import CONFIGS, why_not_runnable  # noqa: E402
+from worker import CONFIGS, FIRST_STEP_DONE, why_not_runnable  # noqa: E402
 
 QUICK_CONFIGS = ["torch-fsdp2", "zppc-zero3", "zppc-zero3-qwz-int8", "zppc-zero3-qgz"]
 
@@ -171,9 +172,7 @@ def main(argv=None) -> int:
                     continue
                 print(f"  {name} ...", flush=True)
                 row = run_row(cluster, name, args)
-                if row["status"] != "ok" and not name.startswith("zppc"):
-                    # A peer's gloo rank dies now and then on a busy 2-core
-                    # machine (SIGABRT at start-up); one retry, on the record.
+                if row["status"] != "ok" and FIRST_STEP_DONE not in row["log"]:
                     print(f"  {name} failed ({row['status']}); once more", flush=True)
                     row = {**run_row(cluster, name, args), "retried_after": row}
                 link["rows"].append(row)

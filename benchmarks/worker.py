@@ -19,6 +19,10 @@ import time
 import torch
 import torch.distributed as dist
 
+# Printed by every rank after its first step: benchmarks/run.py retries a run
+# whose log lacks it (a start-up failure), never one that trained and failed.
+FIRST_STEP_DONE = "worker: first step done"
+
 # name -> (builder kind, zppc Config fields or None)
 CONFIGS: dict[str, tuple[str, dict | None]] = {
     "torch-ddp": ("torch-ddp", None),
@@ -185,6 +189,8 @@ def main() -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
         loss = loss.detach()
+        if i == 0:  # run.py retries a run that dies before this line, once
+            print(f"{FIRST_STEP_DONE} (rank {rank})", flush=True)
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
     stats = zppc.comm_stats()
