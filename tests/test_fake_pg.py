@@ -134,6 +134,39 @@ def test_ledger_never_reads_a_collective_result(fake_world):
                 assert issue.args[0] is hook.args[0], f"{kind}: {hook.name} is not at its issue"
 
 
+@pytest.mark.parametrize("fake_world", [(4, 1)], indirect=True)
+@pytest.mark.parametrize("compiled", [False, True], ids=["uncompiled", "compiled"])
+def test_zero_grad_frees_the_shard_gradients_before_the_next_forward(fake_world, compiled):
+    """`zero_grad()` drops the DTensor `.grad`; the flat shard's gradient under
+    it is freed as the next forward starts, not kept through that forward and
+    backward (a shard of the whole model, alive where activations peak).
+    Without `zero_grad` the gradient is kept and accumulated into."""
+    torch.manual_seed(0)
+    model = zppc.distribute(GPT(PRESETS["gpt-tiny"]), zppc.Config(node_size=2, lowering="eager"))
+    step = torch.compile(model, backend="zppc") if compiled else model
+    flats = model._zppc_state.flat_shards.values()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, 256, (2, 33))
+
+    def forward():
+        return step(tokens[:, :-1], tokens[:, 1:])
+
+    forward().backward()
+    held = [f.grad for f in flats]
+    assert all(g is not None for g in held)
+    loss = forward()  # accumulating: the gradients stay
+    assert all(f.grad is g for f, g in zip(flats, held, strict=True))
+    loss.backward()
+    assert all(f.grad is g for f, g in zip(flats, held, strict=True))
+    opt.step()
+    opt.zero_grad()
+    loss = forward()
+    assert all(f.grad is None for f in flats)
+    loss.backward()
+    assert all(f.grad is not None for f in flats)
+    assert all(p.grad is not None for p in model.parameters())
+
+
 @pytest.mark.parametrize("fake_world", [(8, 5)], indirect=True)
 def test_inspect_exports_json_a_trace_and_a_dump_dir(fake_world, tmp_path, monkeypatch):
     monkeypatch.setenv("ZPPC_DUMP_DIR", str(tmp_path / "dump"))

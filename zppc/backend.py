@@ -102,9 +102,26 @@ def _only_live_state() -> DistributedState | None:
 
 
 def compile_distributed(gm, example_inputs, config: Config, state: DistributedState | None):
-    if state is None or state.osp is None:
+    if state is None:
         return _compile_distributed(gm, example_inputs, config, state)
-    return _osp_compiled(gm, example_inputs, config, state)
+    if state.osp is None:
+        compiled = _compile_distributed(gm, example_inputs, config, state)
+    else:
+        compiled = _osp_compiled(gm, example_inputs, config, state)
+    return _freeing_dropped_grads(compiled, state)
+
+
+def _freeing_dropped_grads(compiled, state: DistributedState):
+    """The compiled graph, freeing the flat-shard gradients `zero_grad` dropped
+    before it runs (`DistributedState.free_dropped_grads`; eager forwards do it
+    in a hook, which compiling traces away)."""
+
+    def run(*args):
+        state.free_dropped_grads()
+        return compiled(*args)
+
+    run._boxed_call = getattr(compiled, "_boxed_call", False)
+    return run
 
 
 def _osp_compiled(gm, example_inputs, config: Config, state: DistributedState):

@@ -202,6 +202,17 @@ class DistributedState:
         module, name = self.owners[fqn][0]
         return module._parameters[name]
 
+    def free_dropped_grads(self) -> None:
+        """Free each flat shard's gradient whose DTensor `.grad` the user dropped
+        (`zero_grad()` sets it to None): called as a forward starts, eager or
+        compiled. Left to the next backward, every such gradient (a shard's
+        worth per parameter, the whole model's over the world) stays alive
+        through the forward and most of the backward, where activations peak;
+        FSDP2 frees it at `zero_grad`."""
+        for fqn, flat in self.flat_shards.items():
+            if flat.grad is not None and self.parameter(fqn).grad is None:
+                flat.grad = None
+
 
 # Flat shard or DTensor parameter -> state of the model that owns it; the backend
 # uses it to find the Config of the model it is compiling from the graph's
@@ -336,7 +347,7 @@ def distribute(model: nn.Module, config: Config | None = None) -> nn.Module:
                 _STATE_OF_SHARD[id(t)] = (weakref.ref(t), state)
     if stream is not None and rank == 0:
         torch.set_rng_state(stream.get_state())  # as if rank 0 had initialized alone
-    _mark_forwards(model, config.param_dtype)
+    _mark_forwards(model, config.param_dtype, state)
     if config.buffer_sync == "broadcast":
         _broadcast_buffers_after_forward(model, groups.world)
     _guard_optimizers()
@@ -539,13 +550,19 @@ def _node_size(config: Config, world: int) -> int:
 _FORWARDS_RUNNING = [0]
 
 
-def _mark_forwards(model: nn.Module, param_dtype: torch.dtype | None) -> None:
+def _mark_forwards(
+    model: nn.Module, param_dtype: torch.dtype | None, state: DistributedState
+) -> None:
     """Hooks that tell attribute reads inside a forward from reads outside one,
-    and cast floating-point inputs to `param_dtype` at the model's entry (as
-    FSDP2's MixedPrecisionPolicy(cast_forward_inputs=True) does)."""
+    free the gradients `zero_grad` dropped as the model's forward starts (the
+    backend does it for compiled graphs), and cast floating-point inputs to
+    `param_dtype` at the model's entry (as FSDP2's
+    MixedPrecisionPolicy(cast_forward_inputs=True) does)."""
 
     def enter(module, args):
         if not torch.compiler.is_compiling():
+            if module is model:
+                state.free_dropped_grads()
             _FORWARDS_RUNNING[0] += 1
 
     def leave(module, args, output):
