@@ -48,6 +48,12 @@ CONFIGS: dict[str, tuple[str, dict | None]] = {
     "zppc-zero3-qwz-int4": ("zppc", {"strategy": "zero3", "qwz": "int4"}),
     "zppc-zero3-hpz": ("zppc", {"strategy": "zero3", "hpz": True}),
     "zppc-zero3-qwz-int8-hpz": ("zppc", {"strategy": "zero3", "qwz": "int8", "hpz": True}),
+    # The same, kept gathered from forward to backward: like for like with
+    # DeepSpeed's ZeRO-3 (+ hpZ), whose prefetcher keeps a model this small.
+    "zppc-zero3-qwz-int8-hpz-keep": (
+        "zppc",
+        {"strategy": "zero3", "qwz": "int8", "hpz": True, "keep_gathered_bytes": 2**30},
+    ),
     "zppc-zero3-qgz": ("zppc", {"strategy": "zero3", "qgz": "int4"}),
     "zppc-zero++": ("zppc", {"strategy": "zero3", "qwz": "int8", "hpz": True, "qgz": "int4"}),
     "zppc-osp": ("zppc", {"strategy": "zero3", "osp": 0.5}),
