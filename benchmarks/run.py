@@ -9,8 +9,8 @@ model, data, seed and steps. Configurations that cannot run here are listed
 with the reason, never skipped silently; a row whose run fails before any rank
 finished its first step (gloo aborts at start-up now and then on a busy
 machine) is run once more, the first failure kept in the row as
-`retried_after`; a failure after that is the row's result. Prints a markdown table and writes
-bench.json and bench.png into --out.
+`retried_after`; a failure after that is the row's result. Prints a markdown
+table and writes bench.json and bench.png into --out.
 """
 
 from __future__ import annotations

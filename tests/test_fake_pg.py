@@ -135,14 +135,20 @@ def test_ledger_never_reads_a_collective_result(fake_world):
 
 
 @pytest.mark.parametrize("fake_world", [(4, 1)], indirect=True)
-@pytest.mark.parametrize("compiled", [False, True], ids=["uncompiled", "compiled"])
-def test_zero_grad_frees_the_shard_gradients_before_the_next_forward(fake_world, compiled):
+@pytest.mark.parametrize(
+    "compiled, lowering",
+    [(False, "eager"), (True, "eager"), (True, "inductor")],
+    ids=["uncompiled", "compiled-eager", "compiled-inductor"],
+)
+def test_zero_grad_frees_the_shard_gradients_before_the_next_forward(
+    fake_world, compiled, lowering
+):
     """`zero_grad()` drops the DTensor `.grad`; the flat shard's gradient under
     it is freed as the next forward starts, not kept through that forward and
     backward (a shard of the whole model, alive where activations peak).
     Without `zero_grad` the gradient is kept and accumulated into."""
     torch.manual_seed(0)
-    model = zppc.distribute(GPT(PRESETS["gpt-tiny"]), zppc.Config(node_size=2, lowering="eager"))
+    model = zppc.distribute(GPT(PRESETS["gpt-tiny"]), zppc.Config(node_size=2, lowering=lowering))
     step = torch.compile(model, backend="zppc") if compiled else model
     flats = model._zppc_state.flat_shards.values()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
