@@ -16,6 +16,12 @@ measured steps. Three figures per row, from /proc/self/status:
   one step's activations, gathered weights and gradients in flight need:
   the allocator may keep what an earlier step freed, so held includes some).
 
+A fourth figure comes from a second process per row, under the profiler:
+"live tensors, peak", the most bytes of tensors alive at once during a
+step, counting every tensor the row allocated from building the model on.
+It leaves out what the allocator keeps and the compile stack, so it compares
+what the two programs hold, exactly and run to run.
+
 `torch-fsdp2-compile-stack` is FSDP2 in a process that also compiled a
 one-op function (dynamo, AOTAutograd and what they import): the part of a
 compiled model's footprint that no pass can change.
@@ -30,22 +36,21 @@ import gc
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
 
-def measure(kind: str, world: int, bucket_mb: float, preset: str, batch: int) -> dict:
-    """One row, in this process: rank 0 of `world` on the fake process group."""
+def build_step(kind: str, world: int, bucket_mb: float, preset: str, batch: int):
+    """The model of one row, distributed, and a function running one training
+    step of it (forward, backward, AdamW, zero_grad), on the process group
+    already set up."""
     import torch
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import zppc
     from zppc.models import GPT, PRESETS
 
-    torch.set_num_threads(1)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     torch.manual_seed(0)
     cfg = PRESETS[preset]
     model = GPT(cfg)
@@ -75,6 +80,26 @@ def measure(kind: str, world: int, bucket_mb: float, preset: str, batch: int) ->
         opt.step()
         opt.zero_grad()
 
+    return one_step
+
+
+def measure(kind: str, world: int, bucket_mb: float, preset: str, batch: int, live: bool) -> dict:
+    """One row, in this process: rank 0 of `world` on the fake process group.
+    The resident-set figures, or with `live` the peak of live tensor bytes
+    (`peak_live_tensor_bytes`; the profiler it needs would distort the
+    resident set, so it runs in a process of its own)."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    torch.set_num_threads(1)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    row = {"config": kind, "world": world, "bucket_mb": bucket_mb if kind == "zppc-zero3" else None}
+    if live:
+        peak = peak_live_tensor_bytes(lambda: build_step(kind, world, bucket_mb, preset, batch))
+        dist.destroy_process_group()
+        return {**row, "live_peak_bytes": peak}
+    one_step = build_step(kind, world, bucket_mb, preset, batch)
     one_step()
     one_step()
     gc.collect()
@@ -84,14 +109,43 @@ def measure(kind: str, world: int, bucket_mb: float, preset: str, batch: int) ->
     one_step()
     peak = _status_bytes("VmHWM")
     dist.destroy_process_group()
-    return {
-        "config": kind,
-        "world": world,
-        "bucket_mb": bucket_mb if kind == "zppc-zero3" else None,
-        "held_bytes": held,
-        "peak_bytes": peak,
-        "step_bytes": peak - held,
-    }
+    return {**row, "held_bytes": held, "peak_bytes": peak, "step_bytes": peak - held}
+
+
+MEASURED = "zppc-memory: measured step"
+
+
+def peak_live_tensor_bytes(build: Callable[[], Callable[[], None]], warmup: int = 2) -> int:
+    """The most bytes of CPU tensors alive at once during one training step:
+    `build()` makes the model (inside the measurement, so every tensor it holds
+    is counted) and returns a step function, which runs `warmup` times and then
+    once measured. Counted from the profiler's allocation events, so what the
+    allocator keeps after a free, and Python's and the compiler's own objects,
+    are left out: the figure depends on the program alone."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step = build()
+        for _ in range(warmup):
+            step()
+        with record_function(MEASURED):
+            step()
+    allocations, measured_from = [], None
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        if event.name == MEASURED:
+            measured_from = event.start_time_ns
+        if event.typed[0] == _EventType.Allocation:
+            allocations.append((event.start_time_ns, event.typed[1].alloc_size))
+        stack.extend(event.children)
+    live = peak = 0
+    for time_ns, size in sorted(allocations):
+        live += size
+        if time_ns >= measured_from:
+            peak = max(peak, live)
+    return peak
 
 
 def _status_bytes(key: str) -> int:
@@ -111,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--row", default=None, help=argparse.SUPPRESS)  # one row, in a child
     args = p.parse_args(argv)
     if args.row:
-        kind, world, bucket = args.row.split(":")
-        row = measure(kind, int(world), float(bucket), args.preset, args.batch_size)
+        kind, world, bucket, live = args.row.split(":")
+        row = measure(kind, int(world), float(bucket), args.preset, args.batch_size, live == "live")
         print(json.dumps(row))
         return 0
     worlds = [int(w) for w in args.worlds.split(",")]
@@ -121,16 +175,22 @@ def main(argv: list[str] | None = None) -> int:
     for world in worlds:
         configs = [("torch-fsdp2", 0.0), ("torch-fsdp2-compile-stack", 0.0)]
         for kind, bucket in configs + [("zppc-zero3", b) for b in buckets]:
-            child = [sys.executable, __file__, "--preset", args.preset, "--batch-size"]
-            child += [str(args.batch_size), "--row", f"{kind}:{world}:{bucket}"]
-            done = subprocess.run(child, capture_output=True, text=True, timeout=1800)
-            if done.returncode != 0:
-                raise SystemExit(f"{kind} at world {world} failed:\n{done.stderr[-3000:]}")
-            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            row = {}
+            for what in ("rss", "live"):
+                child = [sys.executable, __file__, "--preset", args.preset, "--batch-size"]
+                child += [str(args.batch_size), "--row", f"{kind}:{world}:{bucket}:{what}"]
+                done = subprocess.run(child, capture_output=True, text=True, timeout=1800)
+                if done.returncode != 0:
+                    raise SystemExit(f"{kind} at world {world} failed:\n{done.stderr[-3000:]}")
+                row.update(json.loads(done.stdout.strip().splitlines()[-1]))
+            rows.append(row)
             print(f"  {kind} world {world} bucket {bucket:g} MiB: done", file=sys.stderr)
     print(f"{args.preset}, batch {args.batch_size}, AdamW, fake process group; MiB = 2^20 bytes\n")
-    print("| world | configuration | held (MiB) | peak (MiB) | vs FSDP2 | step (MiB) | vs FSDP2 |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
+    print(
+        "| world | configuration | held (MiB) | peak (MiB) | vs FSDP2 | step (MiB) | vs FSDP2 "
+        "| live tensors, peak (MiB) | vs FSDP2 |"
+    )
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for world in worlds:
         same = [r for r in rows if r["world"] == world]
         fsdp2 = next(r for r in same if r["config"] == "torch-fsdp2")
@@ -139,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"| {world} | {name} | {r['held_bytes'] / 2**20:,.0f} | "
                 f"{r['peak_bytes'] / 2**20:,.0f} | {r['peak_bytes'] / fsdp2['peak_bytes']:.2f}x | "
-                f"{r['step_bytes'] / 2**20:,.0f} | {r['step_bytes'] / fsdp2['step_bytes']:.2f}x |"
+                f"{r['step_bytes'] / 2**20:,.0f} | {r['step_bytes'] / fsdp2['step_bytes']:.2f}x | "
+                f"{r['live_peak_bytes'] / 2**20:,.1f} | "
+                f"{r['live_peak_bytes'] / fsdp2['live_peak_bytes']:.3f}x |"
             )
     if args.output:
         args.output.write_text(json.dumps(rows, indent=1))
