@@ -42,7 +42,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def build_step(kind: str, world: int, bucket_mb: float, preset: str, batch: int):
+def build_step(
+    kind: str, world: int, bucket_mb: float, preset: str, batch: int, lowering: str = "eager"
+):
     """The model of one row, distributed, and a function running one training
     step of it (forward, backward, AdamW, zero_grad), on the process group
     already set up."""
@@ -68,7 +70,10 @@ def build_step(kind: str, world: int, bucket_mb: float, preset: str, batch: int)
         step = model
     else:
         config = zppc.Config(
-            strategy="zero3", lowering="eager", node_size=world, bucket_bytes=int(bucket_mb * 2**20)
+            strategy="zero3",
+            lowering=lowering,
+            node_size=world,
+            bucket_bytes=int(bucket_mb * 2**20),
         )
         zppc.distribute(model, config)
         step = torch.compile(model, backend="zppc")
@@ -83,7 +88,9 @@ def build_step(kind: str, world: int, bucket_mb: float, preset: str, batch: int)
     return one_step
 
 
-def measure(kind: str, world: int, bucket_mb: float, preset: str, batch: int, live: bool) -> dict:
+def measure(
+    kind: str, world: int, bucket_mb: float, preset: str, batch: int, live: bool, lowering: str
+) -> dict:
     """One row, in this process: rank 0 of `world` on the fake process group.
     The resident-set figures, or with `live` the peak of live tensor bytes
     (`peak_live_tensor_bytes`; the profiler it needs would distort the
@@ -96,10 +103,12 @@ def measure(kind: str, world: int, bucket_mb: float, preset: str, batch: int, li
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     row = {"config": kind, "world": world, "bucket_mb": bucket_mb if kind == "zppc-zero3" else None}
     if live:
-        peak = peak_live_tensor_bytes(lambda: build_step(kind, world, bucket_mb, preset, batch))
+        peak = peak_live_tensor_bytes(
+            lambda: build_step(kind, world, bucket_mb, preset, batch, lowering)
+        )
         dist.destroy_process_group()
         return {**row, "live_peak_bytes": peak}
-    one_step = build_step(kind, world, bucket_mb, preset, batch)
+    one_step = build_step(kind, world, bucket_mb, preset, batch, lowering)
     one_step()
     one_step()
     gc.collect()
@@ -158,6 +167,7 @@ def _status_bytes(key: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="gpt-medium")
+    p.add_argument("--lowering", choices=("eager", "inductor"), default="eager", help="zppc's")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--worlds", default="2,4")
     p.add_argument("--bucket-mb", default="25,12,4", help="zppc zero3's bucket caps, MiB")
@@ -165,8 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--row", default=None, help=argparse.SUPPRESS)  # one row, in a child
     args = p.parse_args(argv)
     if args.row:
-        kind, world, bucket, live = args.row.split(":")
-        row = measure(kind, int(world), float(bucket), args.preset, args.batch_size, live == "live")
+        kind, world, bucket, what = args.row.split(":")
+        live = what == "live"
+        row = measure(
+            kind, int(world), float(bucket), args.preset, args.batch_size, live, args.lowering
+        )
         print(json.dumps(row))
         return 0
     worlds = [int(w) for w in args.worlds.split(",")]
@@ -177,15 +190,19 @@ def main(argv: list[str] | None = None) -> int:
         for kind, bucket in configs + [("zppc-zero3", b) for b in buckets]:
             row = {}
             for what in ("rss", "live"):
-                child = [sys.executable, __file__, "--preset", args.preset, "--batch-size"]
-                child += [str(args.batch_size), "--row", f"{kind}:{world}:{bucket}:{what}"]
+                child = [sys.executable, __file__, "--preset", args.preset, "--lowering"]
+                child += [args.lowering, "--batch-size", str(args.batch_size)]
+                child += ["--row", f"{kind}:{world}:{bucket}:{what}"]
                 done = subprocess.run(child, capture_output=True, text=True, timeout=1800)
                 if done.returncode != 0:
                     raise SystemExit(f"{kind} at world {world} failed:\n{done.stderr[-3000:]}")
                 row.update(json.loads(done.stdout.strip().splitlines()[-1]))
             rows.append(row)
             print(f"  {kind} world {world} bucket {bucket:g} MiB: done", file=sys.stderr)
-    print(f"{args.preset}, batch {args.batch_size}, AdamW, fake process group; MiB = 2^20 bytes\n")
+    print(
+        f"{args.preset}, batch {args.batch_size}, AdamW, zppc lowering {args.lowering}, "
+        "fake process group; MiB = 2^20 bytes\n"
+    )
     print(
         "| world | configuration | held (MiB) | peak (MiB) | vs FSDP2 | step (MiB) | vs FSDP2 "
         "| live tensors, peak (MiB) | vs FSDP2 |"
