@@ -116,7 +116,10 @@ class Config:
     bucket_bytes: int = 25 * 2**20
     """Consecutive collectives are coalesced into buckets whose full tensor (the
     gathered weights in the parameter dtype, or the gradients reduced) stays
-    within this many bytes, whatever the world size."""
+    within this many bytes, whatever the world size. It trades memory for
+    speed: `prefetch + 1` gathered buckets are alive at once, so about one
+    transformer block's weights gives FSDP2's per-block memory, and larger
+    buckets fewer, faster collectives."""
 
     prefetch: int = 1
     """How many gathered buckets ahead of the one in use the `overlap` pass
