@@ -3,7 +3,7 @@ several world sizes, on the fake process group (one process per row, no
 sockets: the collectives allocate their outputs, move nothing).
 
     python benchmarks/memory.py                              # gpt-medium, worlds 2 and 4
-    python benchmarks/memory.py --worlds 2,4,8 --bucket-mb 25,4
+    python benchmarks/memory.py --worlds 2,4,8 --bucket-mb auto,25,4
 
 Each row runs in a fresh process: two warm-up steps (the compile), then two
 measured steps. Three figures per row, from /proc/self/status:
@@ -43,7 +43,12 @@ HERE = Path(__file__).resolve().parent
 
 
 def build_step(
-    kind: str, world: int, bucket_mb: float, preset: str, batch: int, lowering: str = "eager"
+    kind: str,
+    world: int,
+    bucket_mb: float | None,
+    preset: str,
+    batch: int,
+    lowering: str = "eager",
 ):
     """The model of one row, distributed, and a function running one training
     step of it (forward, backward, AdamW, zero_grad), on the process group
@@ -73,7 +78,7 @@ def build_step(
             strategy="zero3",
             lowering=lowering,
             node_size=world,
-            bucket_bytes=int(bucket_mb * 2**20),
+            bucket_bytes=None if bucket_mb is None else int(bucket_mb * 2**20),
         )
         zppc.distribute(model, config)
         step = torch.compile(model, backend="zppc")
@@ -89,7 +94,13 @@ def build_step(
 
 
 def measure(
-    kind: str, world: int, bucket_mb: float, preset: str, batch: int, live: bool, lowering: str
+    kind: str,
+    world: int,
+    bucket_mb: float | None,
+    preset: str,
+    batch: int,
+    live: bool,
+    lowering: str,
 ) -> dict:
     """One row, in this process: rank 0 of `world` on the fake process group.
     The resident-set figures, or with `live` the peak of live tensor bytes
@@ -101,7 +112,18 @@ def measure(
 
     torch.set_num_threads(1)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    row = {"config": kind, "world": world, "bucket_mb": bucket_mb if kind == "zppc-zero3" else None}
+    row = {"config": kind, "world": world, "bucket_mb": None}
+    if kind == "zppc-zero3":
+        from zppc.config import block_bucket_bytes
+        from zppc.models import GPT, PRESETS
+
+        with torch.device("meta"):
+            cap = (
+                bucket_mb * 2**20
+                if bucket_mb is not None
+                else block_bucket_bytes(GPT(PRESETS[preset]))
+            )
+        row.update(bucket_mb=cap / 2**20, bucket="auto" if bucket_mb is None else "fixed")
     if live:
         peak = peak_live_tensor_bytes(
             lambda: build_step(kind, world, bucket_mb, preset, batch, lowering)
@@ -157,6 +179,26 @@ def peak_live_tensor_bytes(build: Callable[[], Callable[[], None]], warmup: int 
     return peak
 
 
+def run_row(
+    kind: str,
+    world: int,
+    bucket: str,
+    what: str,
+    preset: str = "gpt-medium",
+    lowering: str = "eager",
+    batch: int = 4,
+) -> dict:
+    """One row's figures (`what`: "rss" or "live"), measured in a fresh process
+    so that nothing an earlier row left behind can shift them. `bucket`: MiB,
+    or "auto" for Config's default."""
+    child = [sys.executable, __file__, "--preset", preset, "--lowering", lowering]
+    child += ["--batch-size", str(batch), "--row", f"{kind}:{world}:{bucket}:{what}"]
+    done = subprocess.run(child, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"{kind} at world {world} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def _status_bytes(key: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(key + ":"):
@@ -170,35 +212,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lowering", choices=("eager", "inductor"), default="eager", help="zppc's")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--worlds", default="2,4")
-    p.add_argument("--bucket-mb", default="25,12,4", help="zppc zero3's bucket caps, MiB")
+    p.add_argument(
+        "--bucket-mb",
+        default="auto,25",
+        help="zppc zero3's bucket caps, MiB; auto: Config's default (the repeated block)",
+    )
     p.add_argument("-o", "--output", type=Path, default=None, help="the rows as JSON")
     p.add_argument("--row", default=None, help=argparse.SUPPRESS)  # one row, in a child
     args = p.parse_args(argv)
     if args.row:
         kind, world, bucket, what = args.row.split(":")
         live = what == "live"
-        row = measure(
-            kind, int(world), float(bucket), args.preset, args.batch_size, live, args.lowering
-        )
+        cap = None if bucket == "auto" else float(bucket)
+        row = measure(kind, int(world), cap, args.preset, args.batch_size, live, args.lowering)
         print(json.dumps(row))
         return 0
     worlds = [int(w) for w in args.worlds.split(",")]
-    buckets = [float(b) for b in args.bucket_mb.split(",")]
+    buckets = args.bucket_mb.split(",")
     rows = []
     for world in worlds:
-        configs = [("torch-fsdp2", 0.0), ("torch-fsdp2-compile-stack", 0.0)]
+        configs = [("torch-fsdp2", "0"), ("torch-fsdp2-compile-stack", "0")]
         for kind, bucket in configs + [("zppc-zero3", b) for b in buckets]:
             row = {}
             for what in ("rss", "live"):
-                child = [sys.executable, __file__, "--preset", args.preset, "--lowering"]
-                child += [args.lowering, "--batch-size", str(args.batch_size)]
-                child += ["--row", f"{kind}:{world}:{bucket}:{what}"]
-                done = subprocess.run(child, capture_output=True, text=True, timeout=1800)
-                if done.returncode != 0:
-                    raise SystemExit(f"{kind} at world {world} failed:\n{done.stderr[-3000:]}")
-                row.update(json.loads(done.stdout.strip().splitlines()[-1]))
+                row.update(
+                    run_row(kind, world, bucket, what, args.preset, args.lowering, args.batch_size)
+                )
             rows.append(row)
-            print(f"  {kind} world {world} bucket {bucket:g} MiB: done", file=sys.stderr)
+            print(f"  {kind} world {world} bucket {bucket} MiB: done", file=sys.stderr)
     print(
         f"{args.preset}, batch {args.batch_size}, AdamW, zppc lowering {args.lowering}, "
         "fake process group; MiB = 2^20 bytes\n"
@@ -212,7 +253,11 @@ def main(argv: list[str] | None = None) -> int:
         same = [r for r in rows if r["world"] == world]
         fsdp2 = next(r for r in same if r["config"] == "torch-fsdp2")
         for r in same:
-            name = r["config"] + (f", {r['bucket_mb']:g} MiB buckets" if r["bucket_mb"] else "")
+            name = r["config"]
+            if r["bucket_mb"]:
+                name += f", {r['bucket_mb']:.3g} MiB buckets" + (
+                    " (auto)" if r["bucket"] == "auto" else ""
+                )
             print(
                 f"| {world} | {name} | {r['held_bytes'] / 2**20:,.0f} | "
                 f"{r['peak_bytes'] / 2**20:,.0f} | {r['peak_bytes'] / fsdp2['peak_bytes']:.2f}x | "

@@ -86,6 +86,8 @@ def plan(run_args: dict, config: str, inter_bits: float, rates: dict) -> dict:
     flags += ["--reduce-scatter", run_args.get("reduce_scatter", "native")]
     if run_args.get("bucket_mb", "None") != "None":
         flags += ["--bucket-mb", run_args["bucket_mb"]]
+    elif run_args.get("bucket_default") != "block":
+        flags += ["--bucket-mb", "25"]  # the default before it followed the model's block
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "plan.json"
         with contextlib.redirect_stdout(io.StringIO()):

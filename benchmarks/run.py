@@ -52,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--bucket-mb",
         type=float,
         default=None,
-        help="zppc's bucket cap in MiB (default: Config's 25); overlap needs several buckets per graph",
+        help="zppc's bucket cap in MiB (default: Config's, the model's repeated block); overlap needs several buckets per graph",
     )
     p.add_argument(
         "--reduce-scatter",
@@ -153,6 +153,8 @@ def main(argv=None) -> int:
         return 2
     names = args.configs.split(",")
     report = {"args": {k: str(v) for k, v in vars(args).items()}, "links": []}
+    # Runs recorded before Config.bucket_bytes=None followed the model's block ran 25 MiB.
+    report["args"]["bucket_default"] = "block"
     # One thread's compute rates, for benchmarks/predict.py's cost model.
     report["machine_rates"] = args.machine_rates = measure_rates()
     for rate in args.inter_bw.split(","):

@@ -134,6 +134,18 @@ class PassContext:
         """The model's process groups, by name."""
         return self.state.groups
 
+    @property
+    def bucket_bytes(self) -> int:
+        """`Config.bucket_bytes`, or for None the cap `distribute` derived from
+        the model's repeated block (`block_bucket_bytes`)."""
+        if self.config.bucket_bytes is not None:
+            return self.config.bucket_bytes
+        if self.state is not None:
+            return self.state.block_bucket_bytes
+        from zppc.config import MAX_BUCKET_BYTES  # config imports this package
+
+        return MAX_BUCKET_BYTES
+
 
 def build_passes(config) -> list[GraphPass]:
     """The ordered pass list for `config`."""

@@ -81,7 +81,7 @@ def plan_buckets(matches: list[CollectiveMatch], bucket_bytes: int) -> list[list
 
 
 def bucket_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
-    for bucket in plan_buckets(find_collectives(gm.graph), ctx.config.bucket_bytes):
+    for bucket in plan_buckets(find_collectives(gm.graph), ctx.bucket_bytes):
         if bucket[0].kind == "all_gather":
             _gather_bucket(gm, bucket)
         else:

@@ -52,7 +52,7 @@ def osp_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     if ctx.config.osp_split == "magnitude" and osp.magnitudes is None:
         return gm  # the measuring step: synchronous
     chosen = choose_stage2(gm.graph, ctx.input_fqns, ctx.config.osp, osp.magnitudes)
-    for bucket in stage2_buckets(chosen, ctx.config.bucket_bytes):
+    for bucket in stage2_buckets(chosen, ctx.bucket_bytes):
         # Issued where the bucket's last gradient is reduced today: all of its
         # gradients exist there.
         last = max(bucket, key=lambda m: m.order).reduce

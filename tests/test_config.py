@@ -72,3 +72,26 @@ def test_replace_checks_again():
         cfg.replace(strategy="nope")
     with pytest.raises(ValueError, match="unknown"):
         cfg.replace(colour="red")
+
+
+def test_default_bucket_cap_is_the_repeated_block():
+    """bucket_bytes=None: the gathered size of the largest repeated block
+    (gpt-small: 12 d^2 + 13 d values at d=256), in the parameter dtype, kept
+    within 1-25 MiB; a model with no repeated block gets 25 MiB."""
+    from zppc.config import MAX_BUCKET_BYTES, MIN_BUCKET_BYTES, block_bucket_bytes
+    from zppc.models import GPT, PRESETS
+
+    assert zppc.Config().bucket_bytes is None
+    with torch.device("meta"):
+        small, tiny, big = (GPT(PRESETS[p]) for p in ("gpt-small", "gpt-tiny", "gpt2-124m"))
+        lone = torch.nn.Linear(4096, 4096)
+        mlp = torch.nn.Sequential(
+            torch.nn.Linear(600, 700), torch.nn.ReLU(), torch.nn.Linear(700, 5)
+        )
+    block = 12 * 256**2 + 13 * 256
+    assert block_bucket_bytes(small) == 4 * block
+    assert block_bucket_bytes(small, torch.bfloat16) == 2 * block
+    assert block_bucket_bytes(tiny) == MIN_BUCKET_BYTES
+    assert block_bucket_bytes(big) == MAX_BUCKET_BYTES  # its 27 MiB block is capped
+    assert block_bucket_bytes(lone) == MAX_BUCKET_BYTES
+    assert block_bucket_bytes(mlp) == 4 * (600 * 700 + 700)  # the larger of its two Linears

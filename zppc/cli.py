@@ -28,7 +28,7 @@ _COMPARABLE = {
     "hpz": lambda v: v.lower() in ("1", "true", "yes", "on"),
     "param_dtype": lambda v: None if v == "none" else v,
     "osp": lambda v: None if v == "none" else float(v),
-    "bucket_mb": float,
+    "bucket_mb": lambda v: None if v == "auto" else float(v),
     "prefetch": int,
     "overlap": str,
     "keep_gathered_mb": float,
@@ -173,7 +173,7 @@ def _settings(args: argparse.Namespace):
             osp=args.osp,
             **refinements,
             node_size=args.node_size,
-            bucket_bytes=int(args.bucket_mb * 2**20),
+            bucket_bytes=None if args.bucket_mb is None else int(args.bucket_mb * 2**20),
             reduce_scatter=args.reduce_scatter,
             prefetch=args.prefetch,
             keep_gathered_bytes=int(args.keep_gathered_mb * 2**20),
@@ -482,7 +482,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument(
         "--reduce-dtype", choices=DTYPES, default=None, help="dtype of the gradient reductions"
     )
-    s.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap in MiB")
+    s.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=None,
+        help="bucket cap in MiB (default: the model's largest repeated block, within 1-25 MiB)",
+    )
     s.add_argument(
         "--reduce-scatter",
         choices=["auto", "native", "all_to_all"],

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "rtp")
 QWZ_FORMATS = (None, "int8", "int4")
@@ -30,6 +31,12 @@ DEFAULT_BLOCK = {"int8": 2048, "int4": 128}
 # int8 blocks of 2048 give 26.8 dB, of 256 34.6 dB, of 64 39.3 dB; int4 blocks
 # of 128 give 17.0 dB, of 64 19.2 dB (against the exact reduce-scatter).
 QGZ_DEFAULT_BLOCK = 64
+
+# Bucket caps when `Config.bucket_bytes` is None: a model without a repeated
+# block gets the largest; below the smallest a collective's latency outweighs
+# the memory a smaller bucket would save.
+MAX_BUCKET_BYTES = 25 * 2**20
+MIN_BUCKET_BYTES = 2**20
 
 OSP_SPLITS = ("last", "magnitude")
 REDUCE_SCATTER_ALGORITHMS = ("auto", "native", "all_to_all")
@@ -113,13 +120,17 @@ class Config:
     whose groups zppc uses for its intra- and cross-node collectives. None: one
     built from `node_size`."""
 
-    bucket_bytes: int = 25 * 2**20
+    bucket_bytes: int | None = None
     """Consecutive collectives are coalesced into buckets whose full tensor (the
     gathered weights in the parameter dtype, or the gradients reduced) stays
     within this many bytes, whatever the world size. It trades memory for
-    speed: `prefetch + 1` gathered buckets are alive at once, so about one
-    transformer block's weights gives FSDP2's per-block memory, and larger
-    buckets fewer, faster collectives."""
+    speed: `prefetch + 1` gathered buckets are alive at once, and larger
+    buckets make fewer, faster collectives. None (default): the gathered size
+    of the model's largest repeated block (the largest of the same-class
+    modules in one `nn.ModuleList` / `nn.Sequential`, e.g. a transformer
+    block), kept within 1-25 MiB: FSDP2's per-block memory, wrapped the way
+    its users wrap, without per-block calls. Models without a repeated block
+    get 25 MiB."""
 
     prefetch: int = 1
     """How many gathered buckets ahead of the one in use the `overlap` pass
@@ -216,7 +227,7 @@ class Config:
             )
         for name in ("qwz_block", "qgz_block", "bucket_bytes"):
             value = getattr(self, name)
-            if value is None and name != "bucket_bytes":
+            if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -324,3 +335,31 @@ class Config:
 def _check_choice(name: str, value: Any, choices: tuple) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+def block_bucket_bytes(model: nn.Module, param_dtype: torch.dtype | None = None) -> int:
+    """The bucket cap `Config.bucket_bytes=None` stands for: the gathered bytes
+    (in `param_dtype` where given) of the largest module that repeats as a
+    same-class sibling in an `nn.ModuleList` or `nn.Sequential`, kept within
+    [MIN_BUCKET_BYTES, MAX_BUCKET_BYTES]; MAX_BUCKET_BYTES without one.
+
+    Depends on the model's structure and dtypes only, so every rank derives
+    the same cap."""
+    largest = 0
+    for container in model.modules():
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+            continue
+        by_class: dict[type, list[nn.Module]] = {}
+        for child in container.children():
+            by_class.setdefault(type(child), []).append(child)
+        for siblings in by_class.values():
+            if len(siblings) < 2:
+                continue
+            for block in siblings:
+                nbytes = sum(
+                    p.numel() * (param_dtype or p.dtype).itemsize for p in block.parameters()
+                )
+                largest = max(largest, nbytes)
+    if largest == 0:
+        return MAX_BUCKET_BYTES
+    return min(max(largest, MIN_BUCKET_BYTES), MAX_BUCKET_BYTES)

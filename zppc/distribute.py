@@ -44,7 +44,7 @@ from torch.utils._pytree import tree_map_only
 import zppc.ir  # noqa: F401  (registers zppc::unshard / zppc::reduce_grad)
 import zppc.runtime.rtp  # noqa: F401  (registers the RTP ring ops)
 from zppc import flyweight
-from zppc.config import Config
+from zppc.config import MAX_BUCKET_BYTES, Config, block_bucket_bytes
 from zppc.runtime.collectives import all_gather_ints, broadcast_from_first
 from zppc.runtime.grad_sync import GradSync, gathered, new_grad_sync
 from zppc.runtime.osp import OspState, before_optimizer_step, stepping_subset, two_hops_for
@@ -169,6 +169,9 @@ class DistributedState:
     grad_sync: GradSync = field(default_factory=new_grad_sync)
     """Whether backwards reduce gradients now, and those deferred while not
     (`zppc.no_sync`)."""
+    block_bucket_bytes: int = MAX_BUCKET_BYTES
+    """The bucket cap `Config.bucket_bytes=None` stands for, derived from the
+    model at `distribute` (`zppc.config.block_bucket_bytes`)."""
     skipped_steps: int = 0
     """Optimizer steps skipped for non-finite gradients (`Config.nonfinite_grads`)."""
     model_ref: Any = None
@@ -273,7 +276,12 @@ def distribute(model: nn.Module, config: Config | None = None) -> nn.Module:
     mesh = DeviceMesh.from_group(world_group(groups), device_type())
 
     state = DistributedState(
-        config=config, topology=topology, groups=groups, mesh=mesh, model_ref=weakref.ref(model)
+        config=config,
+        topology=topology,
+        groups=groups,
+        mesh=mesh,
+        model_ref=weakref.ref(model),
+        block_bucket_bytes=block_bucket_bytes(model, config.param_dtype),
     )
     if config.osp is not None:
         from zppc.passes.reduce_scatter import uses_all_to_all
