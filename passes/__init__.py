@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
+from zppc.config import MAX_BUCKET_BYTES
+
 # Every pass zppc knows, in pipeline order. Config.disable_passes is checked
 # against this tuple, so it must not import anything heavy.
 PASS_NAMES = (
@@ -142,8 +144,6 @@ class PassContext:
             return self.config.bucket_bytes
         if self.state is not None:
             return self.state.block_bucket_bytes
-        from zppc.config import MAX_BUCKET_BYTES  # config imports this package
-
         return MAX_BUCKET_BYTES
 
 
