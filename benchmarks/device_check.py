@@ -5,7 +5,7 @@
 1. The Triton quantization kernels, compiled for real, against the torch
    reference: payload bytes and dequantized values bit for bit, odd sizes,
    fp32 / bf16 / fp16, int8 / int4.
-2. Their throughput against the device's copy bandwidth (benchmarks/kernels.py).
+2. Their throughput against the device's copy bandwidth (benchmarks/quant_throughput.py).
 3. zppc on NCCL (world of one GPU): zero3 + qwz int8 compiled by Inductor
    (Triton code for the compute, the custom ops for quantization) against the
    eager lowering, three training steps.
@@ -80,7 +80,7 @@ def main() -> int:
     failures = kernel_equality()
     print()
     here = os.path.dirname(os.path.abspath(__file__))
-    subprocess.run([sys.executable, os.path.join(here, "kernels.py")], check=False)
+    subprocess.run([sys.executable, os.path.join(here, "quant_throughput.py")], check=False)
     env = {
         **os.environ,
         "MASTER_ADDR": "127.0.0.1",

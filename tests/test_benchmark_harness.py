@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 from worker import FIRST_STEP_DONE  # noqa: E402
 
 CAN_RUN = os.geteuid() == 0 and shutil.which("tc") is not None and shutil.which("ip") is not None
@@ -63,7 +62,6 @@ def test_quick_run_builds_measures_and_removes_the_cluster(tmp_path):
 def test_machine_rates_count_bytes_as_the_cost_model_does(monkeypatch):
     """benchmarks/machine.py: the elementwise rate is the round trip's aten
     bytes (zppc.cost.node_bytes) over its time; the FLOP rate a matmul's."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     import machine
 
     monkeypatch.setattr(machine, "_median_seconds", lambda fn: 0.5)
@@ -75,7 +73,6 @@ def test_machine_rates_count_bytes_as_the_cost_model_does(monkeypatch):
 
 
 def test_predict_refuses_an_inductor_run():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     from predict import predictions
 
     report = {"args": {"lowering": "inductor"}, "links": []}
@@ -84,7 +81,6 @@ def test_predict_refuses_an_inductor_run():
 
 
 def test_refuses_without_privileges_or_tools(monkeypatch, capsys):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     import cluster
     import run
 
@@ -96,3 +92,25 @@ def test_refuses_without_privileges_or_tools(monkeypatch, capsys):
     )
     assert run.main(["--quick"]) == 2
     assert "needs tc (package iproute2)" in capsys.readouterr().err
+
+
+def test_benchmark_scripts_do_not_shadow_what_transformers_imports(tmp_path):
+    """`python benchmarks/X.py` puts benchmarks/ first on sys.path, and spawned
+    ranks inherit it. A script named like a package transformers imports when
+    it finds one (it once was `kernels.py`) breaks building any Hugging Face
+    model there."""
+    pytest.importorskip("transformers")
+    build = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import transformers; "
+        "transformers.GPT2LMHeadModel(transformers.GPT2Config("
+        "n_layer=1, n_embd=8, n_head=2, vocab_size=11, n_positions=8)); print('built')"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", build, str(ROOT / "benchmarks")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("built")

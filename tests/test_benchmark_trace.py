@@ -2,12 +2,8 @@
 which communication counts as hidden, and which collectives outlive the
 backward that issued them."""
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 step_trace = pytest.importorskip("step_trace")
 
 MAIN, GLOO = 1, 2

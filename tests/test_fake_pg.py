@@ -3,7 +3,6 @@ hundreds of ranks, so the schedule and bytes can be checked without a cluster.""
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -181,7 +180,6 @@ def live_tensor_peak(config: str, world: int, bucket: str = "0") -> int:
     """`benchmarks/memory.py`'s peak of live tensor bytes for one row (gpt-medium,
     batch 4, AdamW), in a process of its own: what an earlier test or row left
     in this process cannot shift the count."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     from memory import run_row
 
     return run_row(config, world, bucket, "live")["live_peak_bytes"]

@@ -1,6 +1,6 @@
 """Throughput of the quantization kernels, against the device's copy bandwidth.
 
-    python benchmarks/kernels.py            # CUDA: Triton kernels; CPU: the torch path
+    python benchmarks/quant_throughput.py            # CUDA: Triton kernels; CPU: the torch path
 
 GB/s counts the bytes each kernel must read and write (input + payload for
 quantize, payload + output for dequantize). "copy" is a plain device copy of
