@@ -18,11 +18,11 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider --durations=20 $(PYTEST_ARGS)
 
 # The broadest matrices (marked slow): CI runs them after `make test`.
 test-slow: $(VENV)/.installed
-	$(PY) -m pytest -q -p no:cacheprovider -m slow $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider -m slow --durations=20 $(PYTEST_ARGS)
 
 # The emulated multi-node benchmark (root, iproute2): DDP, FSDP2, DeepSpeed, zppc.
 bench: $(VENV)/.installed

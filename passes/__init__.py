@@ -205,7 +205,7 @@ def lint(gm: fx.GraphModule, graph_kind: str) -> None:
 
 
 def run_passes(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    from zppc.passes.graph_utils import op_census
+    from zppc.passes.graph_utils import FAKE_MODE_META, op_census
 
     if ctx.config.log_passes and not log.handlers:
         log.addHandler(logging.StreamHandler())
@@ -243,4 +243,7 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             )
     if not snapshots:
         gm.recompile()
+    # GraphBuilder's per-graph cache of the fake mode: left in the graph's meta it
+    # makes Inductor's FX graph cache key unpicklable, and the cache is bypassed.
+    gm.meta.pop(FAKE_MODE_META, None)
     return gm

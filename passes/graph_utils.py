@@ -86,6 +86,10 @@ def node_value(node: fx.Node):
     return node.meta.get("val", node.meta.get("example_value"))
 
 
+FAKE_MODE_META = "zppc_fake_mode"
+"""Where GraphBuilder keeps a graph's fake mode while the passes run."""
+
+
 class GraphBuilder:
     """Inserts call_function nodes before an anchor, filling `meta["val"]` by
     running each op on the fake values of its inputs."""
@@ -94,12 +98,12 @@ class GraphBuilder:
         self.graph = gm.graph
         self.anchor = anchor
         # Found once per graph: a scan per builder made passes quadratic.
-        if "zppc_fake_mode" not in gm.meta:
+        if FAKE_MODE_META not in gm.meta:
             vals = [node_value(n) for n in gm.graph.nodes]
-            gm.meta["zppc_fake_mode"] = detect_fake_mode(
+            gm.meta[FAKE_MODE_META] = detect_fake_mode(
                 [v for v in vals if isinstance(v, torch.Tensor)]
             )
-        self.fake_mode = gm.meta["zppc_fake_mode"]
+        self.fake_mode = gm.meta[FAKE_MODE_META]
 
     def call(self, target, *args, **kwargs) -> fx.Node:
         with self.graph.inserting_before(self.anchor):

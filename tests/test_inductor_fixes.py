@@ -23,7 +23,8 @@ def scaled_per_block(n: int, block: int):
 @pytest.fixture(autouse=True)
 def fresh_compiles():
     """No cached kernels: the fix acts at code generation, which the FX graph
-    cache would skip (zppc's backend compiles with that cache off too)."""
+    cache would skip (zppc's backend keys that cache by its own sources, which
+    these plain compiles do not carry)."""
     torch._dynamo.reset()
     with inductor_config.patch(fx_graph_cache=False):
         yield

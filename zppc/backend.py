@@ -7,9 +7,11 @@ execution (`lowering="eager"`).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from copy import deepcopy
-from functools import partial
+from functools import cache, partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -232,14 +234,23 @@ def _compile_distributed(gm, example_inputs, config: Config, state: DistributedS
     # run to run). A pointwise cat copies the inputs into a buffer of its own.
     patches = dict(reorder_for_peak_memory=not keep_overlap_order, force_pointwise_cat=True)
 
+    # Inductor's FX graph cache keys each graph as zppc's passes left it, with
+    # Inductor's config; the tag adds what the key cannot see: zppc's own code
+    # (the loop-split fix above patches Inductor's codegen, custom ops' fake
+    # implementations fix output layouts). AOTAutograd's cache stays off: a hit
+    # there would skip zppc's passes, which also register runtime state.
+    cache_key_tag = f"{torch.compiler.config.cache_key_tag}|zppc:{zppc_source_digest()}"
+
     def inner_compile(graph, inputs, **kw):
-        with inductor_config.patch(**patches), cpu_loop_split_keeps_tails():
+        with (
+            inductor_config.patch(**patches),
+            torch.compiler.config.patch(cache_key_tag=cache_key_tag),
+            cpu_loop_split_keeps_tails(),
+        ):
             return compile_fx_inner(graph, inputs, **kw)
 
     with (
-        inductor_config.patch(
-            custom_partitioner_fn=_ZppcPartitioner(partition_options), fx_graph_cache=False
-        ),
+        inductor_config.patch(custom_partitioner_fn=_ZppcPartitioner(partition_options)),
         functorch_config.patch(enable_autograd_cache=False, donated_buffer=donation_is_sound),
     ):
         return compile_fx(gm, example_inputs, inner_compile=passes_then(inner_compile))
@@ -318,6 +329,22 @@ def _wrap_parameters_for_ddp(gm: fx.GraphModule, example_inputs, config: Config)
     gm.recompile()
 
 
+@cache
+def zppc_source_digest() -> str:
+    """A digest of zppc's Python sources (the package and its passes, runtime
+    and kernels), so a cached compile never outlives the code that made it."""
+    import zppc.kernels
+    import zppc.passes
+    import zppc.runtime
+
+    digest = hashlib.sha256()
+    for package in (zppc, zppc.passes, zppc.runtime, zppc.kernels):
+        for source in sorted(Path(package.__file__).parent.glob("*.py")):
+            digest.update(source.name.encode())
+            digest.update(source.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 class _ZppcPartitioner(CustomPartitionerFn):
     """zppc_partition in the form Inductor's config accepts."""
 
@@ -328,4 +355,4 @@ class _ZppcPartitioner(CustomPartitionerFn):
         return zppc_partition(gm, joint_inputs, **self.options, **kwargs)
 
     def uuid(self):
-        return None  # never reuse cached code: the passes depend on the Config
+        return None  # AOTAutograd's cache, the one that reads this, stays off
