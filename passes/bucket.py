@@ -6,7 +6,10 @@ Requires: `zero` (and `qwz` when enabled): collectives in the form
 
 Rewrite: consecutive collectives of one kind, group and dtype are grouped, in
 graph order, into buckets of at most `Config.bucket_bytes` (a collective larger
-than that is a bucket of its own). What counts is the full tensor a bucket
+than that is a bucket of its own). At the default cap (`bucket_bytes=None`, one
+repeated block's bytes) a bucket also never splits a repeated block that fits
+in one: it closes before the block instead, so each bucket gathers whole blocks
+(FSDP2's unit when each block is wrapped). What counts is the full tensor a bucket
 materializes: an all-gather's gathered size in the parameter dtype (shard bytes
 x group size, unquantized), a reduction's input. So a gathered bucket never
 outgrows the cap as the world grows. Each bucket becomes one collective over
@@ -33,8 +36,10 @@ import torch
 from torch import fx
 from zppc.passes.graph_utils import GraphBuilder
 from zppc.passes.zero import (
+    BLOCK_UNIT,
     GRAD_REDUCE,
     PARAM_GATHER,
+    UNPADDED_BYTES,
     UNQUANTIZED_BYTES,
     CollectiveMatch,
     collective,
@@ -65,23 +70,65 @@ def find_collectives(graph: fx.Graph) -> list[CollectiveMatch]:
     ]
 
 
-def plan_buckets(matches: list[CollectiveMatch], bucket_bytes: int) -> list[list[CollectiveMatch]]:
-    """Greedy, in graph order: a bucket closes when the next member would not fit."""
+def plan_buckets(
+    matches: list[CollectiveMatch], bucket_bytes: int, by_block: bool = False
+) -> list[list[CollectiveMatch]]:
+    """Greedy, in graph order: a bucket closes when the next member would not
+    fit. With `by_block`, a run of consecutive members from one repeated block
+    (`BLOCK_UNIT`) counts as one member, measured unpadded as the default cap
+    is: a bucket closes before a block that would not fit, so a block is split
+    only when it alone exceeds the cap."""
+    run_of, run_bytes = _block_runs(matches) if by_block else ({}, [])
     buckets: list[list[CollectiveMatch]] = []
     open_by_key: dict[tuple, list[CollectiveMatch]] = {}
+    filled: dict[tuple, int] = {}
+    last_run: dict[tuple, int | None] = {}
+    whole_run: dict[tuple, bool] = {}
     for m in matches:
         key = (m.kind, m.group_name, m.dtype)
         current = open_by_key.get(key)
-        if current is None or sum(map(full_bytes, current)) + full_bytes(m) > bucket_bytes:
+        run = run_of.get(m.wait)
+        starts_run = run is not None and last_run.get(key) != run
+        last_run[key] = run
+        if run is not None and not starts_run and whole_run[key]:
+            overflow = False  # the rest of a block that went in whole
+        else:
+            needed = run_bytes[run] if starts_run else full_bytes(m)
+            overflow = current is None or filled[key] + needed > bucket_bytes
+            if starts_run:
+                whole_run[key] = run_bytes[run] <= bucket_bytes
+        if overflow:
             current = []
             buckets.append(current)
-            open_by_key[key] = current
+            open_by_key[key], filled[key] = current, 0
         current.append(m)
+        filled[key] += full_bytes(m)
     return [b for b in buckets if len(b) > 1]
 
 
+def _block_runs(matches: list[CollectiveMatch]) -> tuple[dict[fx.Node, int], list[int]]:
+    """Runs of consecutive same-kind collectives whose parameters one repeated
+    block uses (or no block): each member's wait -> its run, and each run's
+    bytes unpadded."""
+    run_of: dict[fx.Node, int] = {}
+    run_bytes: list[int] = []
+    open_run: dict[tuple, tuple[str | None, int]] = {}
+    for m in matches:
+        key = (m.kind, m.group_name, m.dtype)
+        unit = m.wait.meta.get(BLOCK_UNIT)
+        previous = open_run.get(key)
+        if previous is None or previous[0] != unit:
+            previous = open_run[key] = (unit, len(run_bytes))
+            run_bytes.append(0)
+        run_of[m.wait] = previous[1]
+        run_bytes[previous[1]] += m.wait.meta.get(UNPADDED_BYTES, full_bytes(m))
+    return run_of, run_bytes
+
+
 def bucket_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
-    for bucket in plan_buckets(find_collectives(gm.graph), ctx.bucket_bytes):
+    # Buckets at the default cap (one repeated block's bytes) follow the blocks.
+    by_block = ctx.config.bucket_bytes is None
+    for bucket in plan_buckets(find_collectives(gm.graph), ctx.bucket_bytes, by_block):
         if bucket[0].kind == "all_gather":
             _gather_bucket(gm, bucket)
         else:

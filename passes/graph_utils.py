@@ -82,6 +82,20 @@ def find_reduce_grads(graph: fx.Graph) -> list[ReduceGradMatch]:
     ]
 
 
+def block_unit(node: fx.Node, block_classes: frozenset[str]) -> str | None:
+    """The repeated block (its path in dynamo's module stack, e.g.
+    "L['self'].blocks[3]") whose forward uses the parameter an IR node gathers
+    or reduces, the outermost one if they nest; None outside every block.
+    A backward node reads the stack of the forward node it came from."""
+    from zppc.config import qualified_name
+
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    for path, cls in stack.values():
+        if qualified_name(cls) in block_classes:
+            return path
+    return None
+
+
 def node_value(node: fx.Node):
     return node.meta.get("val", node.meta.get("example_value"))
 

@@ -25,8 +25,10 @@ from torch import fx
 from zppc.kernels import quant
 from zppc.passes.graph_utils import GraphBuilder, lowers_to_triton_kernels
 from zppc.passes.zero import (
+    BLOCK_UNIT,
     NODE_LOCAL,
     PARAM_GATHER,
+    UNPADDED_BYTES,
     UNQUANTIZED_BYTES,
     CollectiveMatch,
     all_gather,
@@ -68,6 +70,8 @@ def qwz_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             )
         gathered = all_gather(b, payload, m.group_name)
         gathered.meta[PARAM_GATHER] = True
+        for key in (BLOCK_UNIT, UNPADDED_BYTES):
+            gathered.meta[key] = m.wait.meta.get(key)
         gathered.meta[UNQUANTIZED_BYTES] = numel * dtype.itemsize
         unpack = dict(world=world, numel=numel, block=block, bits=bits, dtype=dtype)
         if triton_kernels:

@@ -37,6 +37,7 @@ from zppc.passes.graph_utils import (
     GraphBuilder,
     ReduceGradMatch,
     UnshardMatch,
+    block_unit,
     find_reduce_grads,
     find_unshards,
     replace_node,
@@ -49,15 +50,19 @@ zppc_ops = torch.ops.zppc
 
 
 def zero_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    classes = ctx.state.block_classes if ctx.state is not None else frozenset()
     for match in find_unshards(gm.graph):
-        replace_node(match.node, lower_unshard(gm, match))
+        unit = block_unit(match.node, classes)
+        replace_node(match.node, lower_unshard(gm, match, unit))
     for node in gm.graph.find_nodes(op="call_function", target=SECONDARY_SHARD):
         replace_node(node, lower_secondary_shard(gm, node))
     for node in gm.graph.find_nodes(op="call_function", target=UNSHARD_SECONDARY):
-        replace_node(node, lower_unshard_secondary(gm, node))
+        unit = block_unit(node, classes)
+        replace_node(node, lower_unshard_secondary(gm, node, unit))
     two_hop = ctx.config.qgz is not None
     for match in find_reduce_grads(gm.graph):
-        replace_node(match.node, lower_reduce_grad(gm, match, two_hop))
+        unit = block_unit(match.node, classes)
+        replace_node(match.node, lower_reduce_grad(gm, match, two_hop, unit))
     return gm
 
 
@@ -165,6 +170,19 @@ NODE_LOCAL = "zppc_node_local"
 # meta key on the wait node of a reduce-scatter of gradients divided by the world
 # size beforehand (with qgZ on): its sum is the mean, and qgz rewrites it.
 GRAD_REDUCE = "zppc_grad_reduce"
+# meta keys on the wait node of a parameter gather or gradient reduction: the
+# repeated block whose forward uses the parameter (`block_unit`), or None, and
+# the bytes of the full tensor unpadded. Default-sized buckets end at a
+# block's boundary (bucket).
+BLOCK_UNIT = "zppc_block_unit"
+UNPADDED_BYTES = "zppc_unpadded_bytes"
+
+
+def tag_block(wait: fx.Node, unit: str | None, full: fx.Node) -> None:
+    """Mark `wait` as moving the parameter or gradient `full` of block `unit`."""
+    val = full.meta["val"]
+    wait.meta[BLOCK_UNIT] = unit
+    wait.meta[UNPADDED_BYTES] = val.numel() * val.element_size()
 
 
 def unpad_to_shape(b: GraphBuilder, flat: fx.Node, shape: tuple[int, ...], numel: int) -> fx.Node:
@@ -173,14 +191,16 @@ def unpad_to_shape(b: GraphBuilder, flat: fx.Node, shape: tuple[int, ...], numel
     return b.call(aten.view.default, flat, list(shape))
 
 
-def lower_unshard(gm: fx.GraphModule, m: UnshardMatch) -> fx.Node:
+def lower_unshard(gm: fx.GraphModule, m: UnshardMatch, unit: str | None) -> fx.Node:
     b = GraphBuilder(gm, m.node)
     local = cast(b, m.shard, m.param_dtype)
     if m.mode == "ddp":
         return local if local is not m.shard else b.call(aten.alias.default, local)
     gathered = all_gather(b, local, m.group_name)
     gathered.meta[PARAM_GATHER] = True
-    return unpad_to_shape(b, gathered, m.shape, m.numel)
+    full = unpad_to_shape(b, gathered, m.shape, m.numel)
+    tag_block(gathered, unit, full)
+    return full
 
 
 def lower_secondary_shard(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
@@ -192,7 +212,7 @@ def lower_secondary_shard(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
     return b.call(zppc_ops.take_shard.default, flat, group_name)
 
 
-def lower_unshard_secondary(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
+def lower_unshard_secondary(gm: fx.GraphModule, node: fx.Node, unit: str | None) -> fx.Node:
     """hpZ: the backward's gather, inside the node (never quantized: hpZ already
     keeps it off the slow links)."""
     secondary, shape, group_name = node.args
@@ -200,7 +220,9 @@ def lower_unshard_secondary(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
     gathered = all_gather(b, secondary, group_name)
     gathered.meta[PARAM_GATHER] = True
     gathered.meta[NODE_LOCAL] = True
-    return unpad_to_shape(b, gathered, tuple(shape), math.prod(shape))
+    full = unpad_to_shape(b, gathered, tuple(shape), math.prod(shape))
+    tag_block(gathered, unit, full)
+    return full
 
 
 def flatten_padded(b: GraphBuilder, grad: fx.Node, total: int) -> fx.Node:
@@ -211,14 +233,16 @@ def flatten_padded(b: GraphBuilder, grad: fx.Node, total: int) -> fx.Node:
     return b.call(aten.constant_pad_nd.default, flat, [0, missing], 0.0) if missing else flat
 
 
-def lower_reduce_grad(gm: fx.GraphModule, m: ReduceGradMatch, two_hop: bool) -> fx.Node:
+def lower_reduce_grad(
+    gm: fx.GraphModule, m: ReduceGradMatch, two_hop: bool, unit: str | None
+) -> fx.Node:
     b = GraphBuilder(gm, m.node)
     world = group_size(m.group_name)
     grad = cast(b, m.grad, m.reduce_dtype)
     if two_hop:
-        return cast(b, reduce_for_qgz(b, grad, m, world), m.out_dtype)
+        return cast(b, reduce_for_qgz(b, grad, m, world, unit), m.out_dtype)
     if m.mode == "ddp":
-        total = collective(
+        total = reduced = collective(
             b, "all_reduce", m.group_name, c10d.all_reduce.default, grad, "sum", m.group_name
         )
     else:
@@ -229,7 +253,8 @@ def lower_reduce_grad(gm: fx.GraphModule, m: ReduceGradMatch, two_hop: bool) -> 
             )
             total = b.call(zppc_ops.take_shard.default, reduced, m.group_name)
         else:
-            total = reduce_scatter(b, flat, m.group_name, world)
+            total = reduced = reduce_scatter(b, flat, m.group_name, world)
+    tag_block(reduced, unit, grad)
     averaged = b.call(aten.div.Tensor, total, world)
     return cast(b, averaged, m.out_dtype)
 
@@ -247,7 +272,9 @@ def reduce_scatter(b: GraphBuilder, flat: fx.Node, group_name: str, world: int) 
     )
 
 
-def reduce_for_qgz(b: GraphBuilder, grad: fx.Node, m: ReduceGradMatch, world: int) -> fx.Node:
+def reduce_for_qgz(
+    b: GraphBuilder, grad: fx.Node, m: ReduceGradMatch, world: int, unit: str | None
+) -> fx.Node:
     """With qgZ every strategy reduces by one reduce-scatter of the gradient
     divided by the world size beforehand (the sum of the pieces is the mean;
     the qgz pass turns it into its two hops, summed in fp32). zero1 keeps its
@@ -257,6 +284,7 @@ def reduce_for_qgz(b: GraphBuilder, grad: fx.Node, m: ReduceGradMatch, world: in
     predivided = b.call(aten.div.Tensor, flatten_padded(b, grad, shard * world), world)
     mean = reduce_scatter(b, predivided, m.group_name, world)
     mean.meta[GRAD_REDUCE] = True
+    tag_block(mean, unit, grad)
     if m.mode != "ddp":
         return mean
     full = all_gather(b, mean, m.group_name)

@@ -227,10 +227,10 @@ def test_inspect_exports_json_a_trace_and_a_dump_dir(fake_world, tmp_path, monke
 @pytest.mark.parametrize("fake_world", [(8, 3)], indirect=True)
 def test_default_buckets_gather_at_most_one_block(fake_world):
     """With the default Config, gpt-small at world 8: every forward gather
-    materializes at most one transformer block's weights (3.01 MiB), so each
-    block's weights are gathered in at most two collectives and the whole
-    model in more collectives than it has blocks; an explicit 25 MiB cap
-    gathers the model at once."""
+    materializes at most one transformer block's weights (3.01 MiB), and the
+    buckets follow the blocks: the embeddings, then each block whole in one
+    gather, then the final norm. An explicit 25 MiB cap gathers the model at
+    once."""
     world, _ = fake_world
 
     def forward_gathers(config):
@@ -247,6 +247,9 @@ def test_default_buckets_gather_at_most_one_block(fake_world):
     cap = model._zppc_state.block_bucket_bytes
     assert cap == 4 * (12 * 256**2 + 13 * 256)
     assert all(g.unquantized_bytes_per_peer * world <= cap for g in gathers)
-    assert PRESETS["gpt-small"].n_layer < len(gathers) <= 2 * PRESETS["gpt-small"].n_layer + 1
+    sizes = [g.unquantized_bytes_per_peer * world for g in gathers]
+    blocks = PRESETS["gpt-small"].n_layer
+    embeddings, final_norm = 4 * (256 + 128) * 256, 4 * 2 * 256
+    assert sorted(sizes) == sorted([embeddings, final_norm] + [cap] * blocks), sizes
     _, whole = forward_gathers(zppc.Config(node_size=4, lowering="eager", bucket_bytes=25 * 2**20))
     assert len(whole) == 1

@@ -131,6 +131,41 @@ def test_bucket_plan_is_greedy_in_graph_order(fake_pg):
     assert [[full_bytes(m) for m in b] for b in plan] == [[32, 32, 16]]
 
 
+def test_default_buckets_close_at_block_boundaries(fake_pg):
+    """At the default cap a bucket holds whole repeated blocks: it closes before
+    a block that would not fit (greedy would split it), and only a block larger
+    than the cap is split. Blocks are measured unpadded, as the cap is."""
+    from zppc.passes.zero import BLOCK_UNIT, UNPADDED_BYTES
+
+    def f(*shards):
+        return sum(unshard(s, [4 * s.numel()]).sum() for s in shards)
+
+    gm = make_fx(f, tracing_mode="fake")(*(torch.randn(n) for n in (1, 1, 2, 2, 3, 3, 1)))
+    for node in gm.graph.nodes:
+        node.meta.setdefault("val", None)
+    from zppc.passes import PassContext
+    from zppc.passes.zero import zero_pass
+
+    gm = zero_pass(gm, PassContext(zppc.Config(), "forward"))
+    matches = find_collectives(gm.graph)
+    units = ["a", "a", "b", "b", "c", "c", None]
+    for m, unit in zip(matches, units, strict=True):
+        m.wait.meta[BLOCK_UNIT] = unit
+        # Padding makes the gathered tensor larger than the parameter (-4 bytes).
+        m.wait.meta[UNPADDED_BYTES] = full_bytes(m) - 4
+    assert [full_bytes(m) for m in matches] == [16, 16, 32, 32, 48, 48, 16]
+
+    def sizes(plan):
+        return [[full_bytes(m) for m in b] for b in plan]
+
+    # Greedy at 64 splits block b across two buckets (b's second member and
+    # c's first are singletons, left alone).
+    assert sizes(plan_buckets(matches, 64)) == [[16, 16, 32], [48, 16]]
+    # By block: a + nothing of b (a's 24 + b's 56 > 64), b whole (its padded 64
+    # counted as 56), c alone exceeds the cap (88 > 64) and is split, greedily.
+    assert sizes(plan_buckets(matches, 64, by_block=True)) == [[16, 16], [32, 32], [48, 16]]
+
+
 def test_pass_list_and_disable():
     names = [p.name for p in build_passes(zppc.Config(qwz="int8"))]
     assert names == [

@@ -128,9 +128,11 @@ class Config:
     buckets make fewer, faster collectives. None (default): the gathered size
     of the model's largest repeated block (the largest of the same-class
     modules in one `nn.ModuleList` / `nn.Sequential`, e.g. a transformer
-    block), kept within 1-25 MiB: FSDP2's per-block memory, wrapped the way
-    its users wrap, without per-block calls. Models without a repeated block
-    get 25 MiB."""
+    block), kept within 1-25 MiB, and buckets that end where a block does
+    (one holds whole blocks; a block is split only when it alone exceeds the
+    cap, unpadded): FSDP2's per-block memory and unit, wrapped
+    the way its users wrap, without per-block calls. Models without a
+    repeated block get 25 MiB."""
 
     prefetch: int = 1
     """How many gathered buckets ahead of the one in use the `overlap` pass
@@ -337,29 +339,41 @@ def _check_choice(name: str, value: Any, choices: tuple) -> None:
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
 
 
-def block_bucket_bytes(model: nn.Module, param_dtype: torch.dtype | None = None) -> int:
-    """The bucket cap `Config.bucket_bytes=None` stands for: the gathered bytes
-    (in `param_dtype` where given) of the largest module that repeats as a
-    same-class sibling in an `nn.ModuleList` or `nn.Sequential`, kept within
-    [MIN_BUCKET_BYTES, MAX_BUCKET_BYTES]; MAX_BUCKET_BYTES without one.
+def qualified_name(cls: type | str) -> str:
+    """`module.QualName` of a class (dynamo's module stacks hold the class, or
+    already its name)."""
+    return cls if isinstance(cls, str) else f"{cls.__module__}.{cls.__qualname__}"
 
-    Depends on the model's structure and dtypes only, so every rank derives
-    the same cap."""
-    largest = 0
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The modules that repeat as same-class siblings in an `nn.ModuleList` or
+    `nn.Sequential` (a transformer's blocks): the units FSDP2 users wrap."""
+    blocks = []
     for container in model.modules():
         if not isinstance(container, (nn.ModuleList, nn.Sequential)):
             continue
         by_class: dict[type, list[nn.Module]] = {}
         for child in container.children():
             by_class.setdefault(type(child), []).append(child)
-        for siblings in by_class.values():
-            if len(siblings) < 2:
-                continue
-            for block in siblings:
-                nbytes = sum(
-                    p.numel() * (param_dtype or p.dtype).itemsize for p in block.parameters()
-                )
-                largest = max(largest, nbytes)
+        blocks += [m for siblings in by_class.values() if len(siblings) > 1 for m in siblings]
+    return blocks
+
+
+def block_bucket_bytes(model: nn.Module, param_dtype: torch.dtype | None = None) -> int:
+    """The bucket cap `Config.bucket_bytes=None` stands for: the gathered bytes
+    (in `param_dtype` where given) of the largest of the `repeated_blocks`,
+    kept within [MIN_BUCKET_BYTES, MAX_BUCKET_BYTES]; MAX_BUCKET_BYTES without
+    one.
+
+    Depends on the model's structure and dtypes only, so every rank derives
+    the same cap."""
+    largest = max(
+        (
+            sum(p.numel() * (param_dtype or p.dtype).itemsize for p in block.parameters())
+            for block in repeated_blocks(model)
+        ),
+        default=0,
+    )
     if largest == 0:
         return MAX_BUCKET_BYTES
     return min(max(largest, MIN_BUCKET_BYTES), MAX_BUCKET_BYTES)

@@ -44,7 +44,13 @@ from torch.utils._pytree import tree_map_only
 import zppc.ir  # noqa: F401  (registers zppc::unshard / zppc::reduce_grad)
 import zppc.runtime.rtp  # noqa: F401  (registers the RTP ring ops)
 from zppc import flyweight
-from zppc.config import MAX_BUCKET_BYTES, Config, block_bucket_bytes
+from zppc.config import (
+    MAX_BUCKET_BYTES,
+    Config,
+    block_bucket_bytes,
+    qualified_name,
+    repeated_blocks,
+)
 from zppc.runtime.collectives import all_gather_ints, broadcast_from_first
 from zppc.runtime.grad_sync import GradSync, gathered, new_grad_sync
 from zppc.runtime.osp import OspState, before_optimizer_step, stepping_subset, two_hops_for
@@ -172,6 +178,10 @@ class DistributedState:
     block_bucket_bytes: int = MAX_BUCKET_BYTES
     """The bucket cap `Config.bucket_bytes=None` stands for, derived from the
     model at `distribute` (`zppc.config.block_bucket_bytes`)."""
+    block_classes: frozenset[str] = frozenset()
+    """Qualified names of the model's repeated-block classes
+    (`zppc.config.repeated_blocks`): default-sized buckets end where one of
+    their instances does (`zppc.passes.bucket`)."""
     skipped_steps: int = 0
     """Optimizer steps skipped for non-finite gradients (`Config.nonfinite_grads`)."""
     model_ref: Any = None
@@ -282,6 +292,7 @@ def distribute(model: nn.Module, config: Config | None = None) -> nn.Module:
         mesh=mesh,
         model_ref=weakref.ref(model),
         block_bucket_bytes=block_bucket_bytes(model, config.param_dtype),
+        block_classes=frozenset(qualified_name(type(m)) for m in repeated_blocks(model)),
     )
     if config.osp is not None:
         from zppc.passes.reduce_scatter import uses_all_to_all
