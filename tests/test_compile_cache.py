@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from models import OddMLP
 from torch._dynamo.utils import counters
+from torch._inductor import config as inductor_config
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import zppc
@@ -22,6 +23,9 @@ pytestmark = pytest.mark.inductor
 
 @pytest.fixture
 def fake_world(tmp_path, monkeypatch):
+    """A fresh cache directory."""
+    if not inductor_config.fx_graph_cache:
+        pytest.skip("TORCHINDUCTOR_FX_GRAPH_CACHE=0 turns the cache off in this environment")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     torch._dynamo.reset()
