@@ -16,6 +16,7 @@ from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_map_only
 
 import zppc.ir  # noqa: F401  (registers the ops matched below)
+from zppc.config import qualified_name
 
 UNSHARD = torch.ops.zppc.unshard.default
 REDUCE_GRAD = torch.ops.zppc.reduce_grad.default
@@ -87,8 +88,6 @@ def block_unit(node: fx.Node, block_classes: frozenset[str]) -> str | None:
     "L['self'].blocks[3]") whose forward uses the parameter an IR node gathers
     or reduces, the outermost one if they nest; None outside every block.
     A backward node reads the stack of the forward node it came from."""
-    from zppc.config import qualified_name
-
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
     for path, cls in stack.values():
         if qualified_name(cls) in block_classes:

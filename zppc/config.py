@@ -130,9 +130,9 @@ class Config:
     modules in one `nn.ModuleList` / `nn.Sequential`, e.g. a transformer
     block), kept within 1-25 MiB, and buckets that end where a block does
     (one holds whole blocks; a block is split only when it alone exceeds the
-    cap, unpadded): FSDP2's per-block memory and unit, wrapped
-    the way its users wrap, without per-block calls. Models without a
-    repeated block get 25 MiB."""
+    cap, unpadded): FSDP2's per-block memory and unit, wrapped the way its
+    users wrap, without per-block calls. Models without a repeated block get
+    25 MiB."""
 
     prefetch: int = 1
     """How many gathered buckets ahead of the one in use the `overlap` pass
