@@ -292,12 +292,37 @@ def test_inductor_keeps_the_overlap_order(fake_rank):
     fw, bw = events(forward), events(backward)
     # Forward: gathers prefetched across compute (not issue-then-wait).
     assert sum(compute_between_issue_and_wait(fw, "all_gather_into_tensor")) >= 3, fw
+    # Inductor frees each gathered bucket before the gather that replaces it
+    # (prefetch 1: two alive at most; the forward also keeps the tied
+    # embedding's bucket across its whole length).
+    assert gathered_buffers_alive(forward) <= 4  # see the next commit
+    assert gathered_buffers_alive(backward) <= 2
     # Backward: reductions in flight across later compute, two at most.
     scatters = compute_between_issue_and_wait(bw, "reduce_scatter_tensor")
     assert len(scatters) >= 4 and sum(scatters) >= len(scatters) - 2, bw
     issued = {b: i for i, (k, b) in enumerate(bw) if k == "reduce_scatter_tensor"}
     waited = {b: i for i, (k, b) in enumerate(bw) if k == "wait" and b in issued}
     assert most_alive([(issued[b], waited[b]) for b in issued]) <= 2
+
+
+def gathered_buffers_alive(code: str) -> int:
+    """The most gathered buckets Inductor's generated `call` holds at once:
+    from each all-gather's output to the `del` of that buffer (or of the
+    buffer that took its memory over, `bufB = bufA; del bufA  # reuse`)."""
+    body = code[code.index("def call(") :]
+    alive: set[str] = set()
+    peak = 0
+    for line in body.splitlines():
+        if issued := re.match(r"\s*(buf\d+) = torch\.ops\._c10d_functional\.all_gather", line):
+            alive.add(issued[1])
+        elif reused := re.match(r"\s*(buf\d+) = .*\b(buf\d+)\b.*; del \2\s+# reuse", line):
+            if reused[2] in alive:
+                alive.discard(reused[2])
+                alive.add(reused[1])
+        else:
+            alive -= set(re.findall(r"\bdel (buf\d+)", line))
+        peak = max(peak, len(alive))
+    return peak
 
 
 @pytest.mark.parametrize("fake_rank", [1], indirect=True)
