@@ -83,6 +83,7 @@ def collective(b: GraphBuilder, kind: str, group_name: str, op, *args) -> fx.Nod
 RECORD = zppc_ops.record_comm.default
 COLLECTIVE_KINDS = {
     c10d.all_gather_into_tensor.default: "all_gather",
+    zppc_ops.all_gather_in_place.default: "all_gather",
     c10d.reduce_scatter_tensor.default: "reduce_scatter",
     c10d.all_reduce.default: "all_reduce",
     c10d.all_to_all_single.default: "all_to_all",
@@ -157,6 +158,25 @@ def all_gather(b: GraphBuilder, flat: fx.Node, group_name: str) -> fx.Node:
     return collective(
         b, "all_gather", group_name, c10d.all_gather_into_tensor.default, flat, world, group_name
     )
+
+
+def gather_in_place(gm: fx.GraphModule) -> fx.GraphModule:
+    """Lowering step, after every pass: each functional all-gather becomes
+    `zppc::all_gather_in_place` on the same input, whose output buffer holds
+    the input's copy (so the input may die at the issue, not at the wait).
+    zppc's passes and the schedules they record keep the functional form."""
+    for m in find_collectives(gm.graph):
+        if m.issue.target is not c10d.all_gather_into_tensor.default:
+            continue
+        with gm.graph.inserting_before(m.issue):
+            issue = gm.graph.call_function(
+                zppc_ops.all_gather_in_place.default, (m.input, m.group_name)
+            )
+        issue.meta.update(m.issue.meta)
+        m.issue.replace_all_uses_with(issue)
+        gm.graph.erase_node(m.issue)
+    gm.recompile()
+    return gm
 
 
 # meta key on the wait node of every parameter all-gather: later passes (qwz,

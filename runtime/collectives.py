@@ -90,6 +90,29 @@ def _(flat: Tensor, group_name: str) -> Tensor:
     return flat.new_empty(flat.numel() // world)
 
 
+@torch.library.custom_op("zppc::all_gather_in_place", mutates_args=())
+def all_gather_in_place(shard: Tensor, group_name: str) -> Tensor:
+    """Issue an all-gather of `shard` whose input is this rank's own slice of
+    the output: the shard is copied there first, as FSDP2's copy-in does, so
+    no separate input buffer lives while the gather is in flight (a
+    functional all-gather keeps its input to the wait: two shard-sized
+    buffers at gpt-medium's peak). Asynchronous, like a functional
+    collective: `_c10d_functional.wait_tensor` on the result waits for it.
+    The slice is chosen at run time, so every rank's graph is the same."""
+    group = _GROUP_FROM_NAME(group_name)
+    out = shard.new_empty(shard.numel() * group.size())
+    mine = out.narrow(0, dist.get_rank(group) * shard.numel(), shard.numel())
+    mine.copy_(shard.reshape(-1))
+    work = dist.all_gather_single(out, mine, group=group, async_op=True)
+    torch._C._distributed_c10d._register_work(out, work)
+    return out
+
+
+@all_gather_in_place.register_fake
+def _(shard: Tensor, group_name: str) -> Tensor:
+    return shard.new_empty(shard.numel() * group_size(group_name))
+
+
 def all_gather_flat(shard: Tensor, group_name: str) -> Tensor:
     """Concatenation of every rank's 1-D shard, in group-rank order."""
     group = _GROUP_FROM_NAME(group_name)

@@ -27,7 +27,7 @@ from zppc.inspect import dump_compile
 from zppc.passes import PassContext, is_planning, run_passes
 from zppc.passes.overlap import pin_gather_issues
 from zppc.passes.partition import zppc_partition
-from zppc.passes.zero import find_collectives
+from zppc.passes.zero import find_collectives, gather_in_place
 from zppc.runtime.failures import boxed_naming_failures
 from zppc.runtime.topology import Topology, default_node_size, group_ranks, setup_groups
 from zppc.schedule import CompileRecord, records_for, register_compile
@@ -176,12 +176,13 @@ def _compile_distributed(gm, example_inputs, config: Config, state: DistributedS
             kind = "backward" if kw.get("is_backward") else "forward"
             ctx = PassContext(config, kind, record.passes[kind], state, buffer_inputs, input_fqns)
             graph = run_passes(graph, ctx)
-            # Inductor rewrites the graph it is given in place (post-grad
-            # passes): the record keeps zppc's final graph, as the passes left it.
-            record.final[kind] = graph if config.lowering == "eager" else _copy_graph_module(graph)
+            # The lowering rewrites the graph it is given (`gather_in_place`,
+            # Inductor's post-grad passes): the record keeps zppc's final
+            # graph, as the passes left it.
+            record.final[kind] = _copy_graph_module(graph)
             dump_compile(record, len(records_for(state)) - 1, kind)
             what = describe(kind, graph, config)  # before Inductor rewrites the graph
-            return boxed_naming_failures(lower(graph, inputs, **kw), what)
+            return boxed_naming_failures(lower(gather_in_place(graph), inputs, **kw), what)
 
         return compiler
 
