@@ -173,8 +173,7 @@ def gather_in_place(gm: fx.GraphModule) -> fx.GraphModule:
                 zppc_ops.all_gather_in_place.default, (m.input, m.group_name)
             )
         issue.meta.update(m.issue.meta)
-        m.issue.replace_all_uses_with(issue)
-        gm.graph.erase_node(m.issue)
+        replace_node(m.issue, issue)
     gm.recompile()
     return gm
 
