@@ -114,3 +114,37 @@ def test_benchmark_scripts_do_not_shadow_what_transformers_imports(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().endswith("built")
+
+
+def test_plan_time_sums_every_pass_and_grows_with_the_depth():
+    from plan_time import plan
+    from zppc.passes import build_passes
+
+    import zppc
+
+    shallow, deep = (plan(layers, "zero3", world=8, node=4) for layers in (1, 2))
+    assert 0 < shallow["nodes"] < deep["nodes"]
+    assert 0 < shallow["passes_seconds"] <= shallow["compile_seconds"]
+    assert deep["slowest"].split()[0] in {p.name for p in build_passes(zppc.Config())}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not CAN_RUN, reason="needs root with ip and tc (network namespaces, traffic shaping)"
+)
+def test_overlap_ceiling_times_every_collective_and_work(tmp_path):
+    out = tmp_path / "ceiling.json"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "overlap_ceiling.py"), "--inter-bw", "1gbit"]
+        + ["--ranks-per-node", "1", "--reps", "1", "--shard-mb", "0.5", "-o", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert {(r["collective"], r["work"]) for r in rows} == {
+        (kind, work) for kind in ("all_gather", "all_reduce") for work in ("matmul", "sleep")
+    }
+    assert all(min(r["collective_s"], r["work_s"], r["both_s"]) > 0 for r in rows)
+    assert "| hidden |" in done.stdout
