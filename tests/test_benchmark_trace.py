@@ -44,3 +44,25 @@ def test_hidden_is_communication_while_the_main_thread_waits_for_nothing():
     assert carried["under"] == pytest.approx(
         {"optimizer": 50e-6, "forward": 30e-6, "backward": 0.0}
     )
+
+
+@pytest.mark.timeout(600)
+def test_the_script_traces_two_steps_of_two_ranks(tmp_path):
+    """The whole script under torchrun: its arguments are what the shared
+    `worker.build` reads (a missing `--reduce-scatter` once broke it)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(step_trace.__file__)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)]
+        + ["--preset", "gpt-tiny", "--warmup", "1", "--block", "32", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=540,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (tmp_path / "trace_zppc-zero3.json.gz").exists()
+    assert "| all |" in done.stdout
