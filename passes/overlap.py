@@ -179,16 +179,33 @@ def prefetch_gathers(
     if not gathers or not placeholders:
         return
     streamed = _streamed_gathers(gathers, order)
+    program_order = {m: i for i, m in enumerate(gathers)}
+    streaming = {m for m, _ in streamed}
+    resident = [m for m in gathers if m not in streaming]
     cursors: dict[fx.Node, _Cursor] = {}
     for k, (m, _) in enumerate(streamed):
+        # A resident bucket used before this one is issued before it:
+        # collectives on one group run in the order they are issued (gloo's
+        # one in flight, NCCL's stream), so a tied embedding issued after the
+        # first prefetches held the forward's first compute behind all of them.
+        used_earlier = [r for r in resident if program_order[r] < program_order[m]]
+        resident = resident[len(used_earlier) :]
         release = streamed[k - prefetch - 1][1] if k > prefetch else placeholders[-1]
         if order[m.issue] <= order[release]:
             continue  # already issued earlier than the memory bound allows
         point = release if timeline is None else timeline.latest_hidden_issue(m, release, order)
         cursor = cursors.setdefault(point, _Cursor(point, order))
-        _hoist(m.input, cursor)
-        cursor.place(m.record)
-        cursor.place(m.issue)
+        for r in used_earlier:
+            if order[r.issue] > order[cursor.after]:
+                _place_gather(r, cursor)
+        _place_gather(m, cursor)
+
+
+def _place_gather(m: CollectiveMatch, cursor: _Cursor) -> None:
+    """The gather's input (and what makes it), its ledger hook and its issue, at the cursor."""
+    _hoist(m.input, cursor)
+    cursor.place(m.record)
+    cursor.place(m.issue)
 
 
 def _streamed_gathers(
@@ -420,12 +437,34 @@ def one_in_flight_on_gloo(matches: list[CollectiveMatch], order: _Order) -> None
     and then died without a message, under load. NCCL keeps the full order; a
     plan does what the backend it plans for does. The backend is a property
     of the group, the same on every rank."""
+    _gathers_after_the_previous_wait(matches, order)
     latest: dict[str, CollectiveMatch] = {}
     for m in sorted(matches, key=lambda m: order[m.issue]):
         before = latest.get(m.group_name)
         if before is not None and order[before.wait] > order[m.issue] and _on_gloo(m.group_name):
             order.move_before(before.wait, min(m.record, m.issue, key=order.__getitem__))
         latest[m.group_name] = m
+
+
+def _gathers_after_the_previous_wait(matches: list[CollectiveMatch], order: _Order) -> None:
+    """On a gloo group, a parameter gather issued before the previous gather's
+    wait would wait that gather right there, before compute it could have run
+    under (the forward's first gathers, all issued at the top, were all waited
+    before the first layer computed): it moves down to just after that wait,
+    its ledger hook with it."""
+    previous: dict[str, CollectiveMatch] = {}
+    gathers = [m for m in matches if _is_gather(m) and _on_gloo(m.group_name)]
+    for m in sorted(gathers, key=lambda m: order[m.issue]):
+        before = previous.get(m.group_name)
+        if before is not None and order[m.issue] < order[before.wait] < order[m.wait]:
+            cursor = _Cursor(before.wait, order)
+            cursor.place(m.record)
+            cursor.place(m.issue)
+        previous[m.group_name] = m
+
+
+def _is_gather(m: CollectiveMatch) -> bool:
+    return bool(m.wait.meta.get(PARAM_GATHER))
 
 
 def _on_gloo(group_name: str) -> bool:

@@ -112,6 +112,31 @@ def test_gathers_prefetched_within_the_memory_bound(fake_rank, prefetch):
 
 
 @pytest.mark.parametrize("fake_rank", [1], indirect=True)
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_forward_gathers_issued_in_the_order_they_are_used(fake_rank, backend):
+    """Collectives on one group run in the order they are issued (NCCL's
+    stream, gloo's one in flight), so a gather issued ahead of one used before
+    it delays that one: the tied embedding's, issued after the first
+    prefetches, held the first layer behind all of them. On gloo each gather is
+    issued just after the previous one's wait, with compute under it."""
+    from zppc.passes import planning
+
+    with planning("torch", backend):
+        forward, _ = final_graphs()
+    pos = positions(forward)
+    gathers = [m for m in find_collectives(forward.graph) if m.wait.meta.get(PARAM_GATHER)]
+    gathers.sort(key=lambda m: pos[m.issue])
+    assert len(gathers) >= 4
+    uses = [first_use(m, pos) for m in gathers]
+    assert uses == sorted(uses)
+    if backend == "gloo":
+        matmuls = matmul_positions(forward, pos)
+        for before, m in zip(gathers[:-1], gathers[1:], strict=True):
+            assert pos[before.wait] < pos[m.issue]
+            assert any(pos[m.issue] < p < pos[m.wait] for p in matmuls), "nothing runs under it"
+
+
+@pytest.mark.parametrize("fake_rank", [1], indirect=True)
 def test_waits_at_first_use_and_reductions_issued_at_once(fake_rank):
     forward, backward = final_graphs(prefetch=1)
     for gm in (forward, backward):
@@ -232,7 +257,9 @@ def test_cost_model_issues_each_gather_as_late_as_still_hides_it(fake_rank):
         for name, pair in graphs.items()
         if name != "slow"
     }
-    assert steps["cost"] <= steps["earliest"] * (1 + 1e-9), steps
+    # Within 0.1%: the earliest schedule issues the tied embedding's gather
+    # first, which the simulated FIFO link rewards by 0.03% at these rates.
+    assert steps["cost"] <= steps["earliest"] * 1.001, steps
     assert normalized_code(*graphs["slow"]) == normalized_code(*graphs["earliest"])
 
 
