@@ -27,7 +27,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 KINDS = ("all_gather", "all_reduce")
-WORKS = ("matmul", "sleep")
 
 
 def rank_main(shard_bytes: int, reps: int) -> None:

@@ -12,8 +12,7 @@ compiled and nothing runs. Per depth and feature set the table gives the
 nodes of the final forward and backward graphs, the wall time of all zppc's
 passes on the dynamo, forward and backward graphs (each pass's own record,
 lint included), that time per 1000 final nodes (flat when the passes are
-linear in the graph), the slowest
-pass, and the whole compile (dynamo, aot_autograd and the passes).
+linear in the graph), the slowest pass, and the whole compile (dynamo, aot_autograd and the passes).
 """
 
 from __future__ import annotations
@@ -54,16 +53,12 @@ def plan(layers: int, features: str, world: int, node: int) -> dict:
             step = torch.compile(model, backend="zppc")
             step(tokens)[0].float().square().mean().backward()
         compile_seconds = time.perf_counter() - start
-        passes = Counter()
+        passes, nodes = Counter(), 0
         for record in zppc.inspect(step).compiles:
             for records in record.passes.values():
                 for r in records:
                     passes[r.name] += r.seconds
-        nodes = sum(
-            len(record.final[kind].graph.nodes)
-            for record in zppc.inspect(step).compiles
-            for kind in record.final
-        )
+            nodes += sum(len(gm.graph.nodes) for gm in record.final.values())
     finally:
         dist.destroy_process_group()
     slowest, slowest_seconds = passes.most_common(1)[0]

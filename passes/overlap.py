@@ -115,8 +115,8 @@ def overlap_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     graph = gm.graph
     matches = find_collectives(graph)
     order = _Order(graph)
-    gathers = [m for m in matches if m.wait.meta.get(PARAM_GATHER)]
-    others = [m for m in matches if not m.wait.meta.get(PARAM_GATHER)]
+    gathers = [m for m in matches if _is_gather(m)]
+    others = [m for m in matches if not _is_gather(m)]
     # Step 1, latest first: an earlier collective raised afterwards lands right
     # after its inputs, ahead of the compute a later one pulled up.
     for m in reversed(others):
@@ -240,7 +240,7 @@ def pin_gather_issues(gm: fx.GraphModule, prefetch: int) -> None:
     from torch.utils._ordered_set import OrderedSet
 
     order = _Order(gm.graph)
-    gathers = [m for m in find_collectives(gm.graph) if m.wait.meta.get(PARAM_GATHER)]
+    gathers = [m for m in find_collectives(gm.graph) if _is_gather(m)]
     streamed = [m for m, _ in _streamed_gathers(gathers, order)]
     deps: dict[fx.Node, OrderedSet[fx.Node]] = {}
     for k in range(prefetch + 1, len(streamed)):
@@ -457,9 +457,7 @@ def _gathers_after_the_previous_wait(matches: list[CollectiveMatch], order: _Ord
     for m in sorted(gathers, key=lambda m: order[m.issue]):
         before = previous.get(m.group_name)
         if before is not None and order[m.issue] < order[before.wait] < order[m.wait]:
-            cursor = _Cursor(before.wait, order)
-            cursor.place(m.record)
-            cursor.place(m.issue)
+            _place_gather(m, _Cursor(before.wait, order))
         previous[m.group_name] = m
 
 

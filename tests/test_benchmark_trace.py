@@ -2,6 +2,10 @@
 which communication counts as hidden, and which collectives outlive the
 backward that issued them."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 step_trace = pytest.importorskip("step_trace")
@@ -50,10 +54,6 @@ def test_hidden_is_communication_while_the_main_thread_waits_for_nothing():
 def test_the_script_traces_two_steps_of_two_ranks(tmp_path):
     """The whole script under torchrun: its arguments are what the shared
     `worker.build` reads (a missing `--reduce-scatter` once broke it)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     script = Path(step_trace.__file__)
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)]
