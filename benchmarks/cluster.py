@@ -11,6 +11,7 @@ removed on exit, error or Ctrl-C.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -23,6 +24,19 @@ from dataclasses import dataclass, field
 
 class ClusterError(RuntimeError):
     pass
+
+
+RESULT_PREFIX = "RESULT "
+
+
+def result_lines(outputs: list[str]) -> list[dict]:
+    """The JSON a job's ranks printed after `RESULT_PREFIX`, every node's, in order."""
+    return [
+        json.loads(line.removeprefix(RESULT_PREFIX))
+        for out in outputs
+        for line in out.splitlines()
+        if line.startswith(RESULT_PREFIX)
+    ]
 
 
 def require_privileges() -> None:

@@ -26,6 +26,14 @@ from functools import partial
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from cluster import (  # noqa: E402
+    RESULT_PREFIX,
+    EmulatedCluster,
+    require_privileges,
+    result_lines,
+)
+
 KINDS = ("all_gather", "all_reduce")
 
 
@@ -82,14 +90,11 @@ def rank_main(shard_bytes: int, reps: int) -> None:
             median = {k: sorted(v)[len(v) // 2] for k, v in samples.items()}
             rows.append({"collective": kind, "work": name, **median})
     if dist.get_rank() == 0:
-        print("RESULT " + json.dumps({"world": world, "rows": rows}))
+        print(RESULT_PREFIX + json.dumps({"world": world, "rows": rows}))
     dist.destroy_process_group()
 
 
 def measure(args) -> list[dict]:
-    sys.path.insert(0, str(HERE))
-    from cluster import EmulatedCluster, require_privileges
-
     require_privileges()
     results = []
     for rate in args.inter_bw.split(","):
@@ -101,12 +106,7 @@ def measure(args) -> list[dict]:
                 outputs = cluster.launch(
                     ranks_per_node, script, env={"PYTHONUNBUFFERED": "1"}, timeout=900
                 )
-            (result,) = [
-                json.loads(line.removeprefix("RESULT "))
-                for out in outputs
-                for line in out.splitlines()
-                if line.startswith("RESULT ")
-            ]
+            (result,) = result_lines(outputs)
             for row in result["rows"]:
                 results.append(
                     {

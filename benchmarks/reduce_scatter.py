@@ -24,6 +24,14 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from cluster import (  # noqa: E402
+    RESULT_PREFIX,
+    EmulatedCluster,
+    require_privileges,
+    result_lines,
+)
+
 ALGORITHMS = ("reduce_scatter", "all_to_all+sum")
 
 
@@ -68,14 +76,11 @@ def rank_main(shard_bytes: int, rounds: int, reps: int) -> None:
             time.sleep(0.2)
             rows[name].append({"bytes": (left_node() - before) / reps, "seconds": seconds / reps})
     if int(os.environ["LOCAL_RANK"]) == 0:
-        print("RESULT " + json.dumps({"node": int(os.environ["GROUP_RANK"]), "rows": rows}))
+        print(RESULT_PREFIX + json.dumps({"node": int(os.environ["GROUP_RANK"]), "rows": rows}))
     dist.destroy_process_group()
 
 
 def measure(args) -> list[dict]:
-    sys.path.insert(0, str(HERE))
-    from cluster import EmulatedCluster, require_privileges
-
     require_privileges()
     world = args.nodes * args.ranks_per_node
     results = []
@@ -86,12 +91,7 @@ def measure(args) -> list[dict]:
             outputs = cluster.launch(
                 args.ranks_per_node, script, env={"PYTHONUNBUFFERED": "1"}, timeout=1800
             )
-        nodes = [
-            json.loads(line.removeprefix("RESULT "))
-            for out in outputs
-            for line in out.splitlines()
-            if line.startswith("RESULT ")
-        ]
+        nodes = result_lines(outputs)
         for name in ALGORITHMS:
             per_round = [
                 (
