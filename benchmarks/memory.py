@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import subprocess
 import sys
@@ -49,10 +50,11 @@ def build_step(
     preset: str,
     batch: int,
     lowering: str = "eager",
+    accumulate: int = 1,
 ):
     """The model of one row, distributed, and a function running one training
-    step of it (forward, backward, AdamW, zero_grad), on the process group
-    already set up."""
+    step of it (`accumulate` forwards and backwards, AdamW, zero_grad), on the
+    process group already set up."""
     import torch
 
     import zppc
@@ -86,7 +88,8 @@ def build_step(
     tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1))
 
     def one_step():
-        step(tokens[:, :-1], tokens[:, 1:]).backward()
+        for _ in range(accumulate):
+            step(tokens[:, :-1], tokens[:, 1:]).backward()
         opt.step()
         opt.zero_grad()
 
@@ -101,6 +104,7 @@ def measure(
     batch: int,
     live: bool,
     lowering: str,
+    accumulate: int = 1,
 ) -> dict:
     """One row, in this process: rank 0 of `world` on the fake process group.
     The resident-set figures, or with `live` the peak of live tensor bytes
@@ -112,7 +116,7 @@ def measure(
 
     torch.set_num_threads(1)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    row = {"config": kind, "world": world, "bucket_mb": None}
+    row = {"config": kind, "world": world, "bucket_mb": None, "accumulate": accumulate}
     if kind == "zppc-zero3":
         from zppc.config import block_bucket_bytes
         from zppc.models import GPT, PRESETS
@@ -126,11 +130,11 @@ def measure(
         row.update(bucket_mb=cap / 2**20, bucket="auto" if bucket_mb is None else "fixed")
     if live:
         peak = peak_live_tensor_bytes(
-            lambda: build_step(kind, world, bucket_mb, preset, batch, lowering)
+            lambda: build_step(kind, world, bucket_mb, preset, batch, lowering, accumulate)
         )
         dist.destroy_process_group()
         return {**row, "live_peak_bytes": peak}
-    one_step = build_step(kind, world, bucket_mb, preset, batch, lowering)
+    one_step = build_step(kind, world, bucket_mb, preset, batch, lowering, accumulate)
     one_step()
     one_step()
     gc.collect()
@@ -187,12 +191,14 @@ def run_row(
     preset: str = "gpt-medium",
     lowering: str = "eager",
     batch: int = 4,
+    accumulate: int = 1,
 ) -> dict:
     """One row's figures (`what`: "rss" or "live"), measured in a fresh process
     so that nothing an earlier row left behind can shift them. `bucket`: MiB,
     or "auto" for Config's default."""
     child = [sys.executable, __file__, "--preset", preset, "--lowering", lowering]
-    child += ["--batch-size", str(batch), "--row", f"{kind}:{world}:{bucket}:{what}"]
+    child += ["--batch-size", str(batch), "--accumulate", str(accumulate)]
+    child += ["--row", f"{kind}:{world}:{bucket}:{what}"]
     done = subprocess.run(child, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"{kind} at world {world} failed:\n{done.stderr[-3000:]}")
@@ -211,11 +217,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="gpt-medium")
     p.add_argument("--lowering", choices=("eager", "inductor"), default="eager", help="zppc's")
     p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument(
+        "--accumulate",
+        type=int,
+        default=1,
+        help="micro-batches per optimizer step: with 2 or more the gradient shards of "
+        "the earlier ones are alive through the last one's forward and backward",
+    )
     p.add_argument("--worlds", default="2,4")
     p.add_argument(
         "--bucket-mb",
         default="auto,25",
         help="zppc zero3's bucket caps, MiB; auto: Config's default (the repeated block)",
+    )
+    p.add_argument(
+        "--configs",
+        default="torch-fsdp2,torch-fsdp2-compile-stack,zppc-zero3",
+        help="rows to measure (torch-fsdp2 is needed: the ratios are to it)",
     )
     p.add_argument("-o", "--output", type=Path, default=None, help="the rows as JSON")
     p.add_argument("--row", default=None, help=argparse.SUPPRESS)  # one row, in a child
@@ -224,24 +242,45 @@ def main(argv: list[str] | None = None) -> int:
         kind, world, bucket, what = args.row.split(":")
         live = what == "live"
         cap = None if bucket == "auto" else float(bucket)
-        row = measure(kind, int(world), cap, args.preset, args.batch_size, live, args.lowering)
+        row = measure(
+            kind,
+            int(world),
+            cap,
+            args.preset,
+            args.batch_size,
+            live,
+            args.lowering,
+            args.accumulate,
+        )
         print(json.dumps(row))
         return 0
     worlds = [int(w) for w in args.worlds.split(",")]
     buckets = args.bucket_mb.split(",")
     rows = []
     for world in worlds:
-        configs = [("torch-fsdp2", "0"), ("torch-fsdp2-compile-stack", "0")]
-        for kind, bucket in configs + [("zppc-zero3", b) for b in buckets]:
+        configs = [(kind, "0") for kind in args.configs.split(",") if kind != "zppc-zero3"]
+        if "zppc-zero3" in args.configs.split(","):
+            configs += [("zppc-zero3", b) for b in buckets]
+        for kind, bucket in configs:
             row = {}
             for what in ("rss", "live"):
                 row.update(
-                    run_row(kind, world, bucket, what, args.preset, args.lowering, args.batch_size)
+                    run_row(
+                        kind,
+                        world,
+                        bucket,
+                        what,
+                        args.preset,
+                        args.lowering,
+                        args.batch_size,
+                        args.accumulate,
+                    )
                 )
             rows.append(row)
             print(f"  {kind} world {world} bucket {bucket} MiB: done", file=sys.stderr)
     print(
-        f"{args.preset}, batch {args.batch_size}, AdamW, zppc lowering {args.lowering}, "
+        f"{args.preset}, batch {args.batch_size} x {args.accumulate} micro-batches, AdamW, "
+        f"zppc lowering {args.lowering}, "
         "fake process group; MiB = 2^20 bytes\n"
     )
     print(
@@ -265,9 +304,50 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['live_peak_bytes'] / 2**20:,.1f} | "
                 f"{r['live_peak_bytes'] / fsdp2['live_peak_bytes']:.3f}x |"
             )
+    print_fall(rows, worlds, model_state_bytes(args.preset))
     if args.output:
         args.output.write_text(json.dumps(rows, indent=1))
     return 0
+
+
+def model_state_bytes(preset: str) -> int:
+    """What AdamW training keeps of the whole model: parameters, gradients and
+    two moments, four copies of the parameters' bytes. Sharding divides it by
+    the world size."""
+    import torch
+
+    from zppc.models import GPT, PRESETS
+
+    with torch.device("meta"):
+        model = GPT(PRESETS[preset])
+    return 4 * sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def print_fall(rows: list[dict], worlds: list[int], state_bytes: int) -> None:
+    """How much each configuration's peaks fall from one world size to the next,
+    against the ideal: the per-rank share of the model state that sharding
+    removes, state / small - state / large."""
+    print(
+        "\n| configuration | worlds | ideal fall (MiB) | live peak falls (MiB) | of the ideal "
+        "| resident peak falls (MiB) | of the ideal |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for small, large in itertools.pairwise(worlds):
+        ideal = state_bytes / small - state_bytes / large
+        for before in (r for r in rows if r["world"] == small):
+            after = next(
+                r
+                for r in rows
+                if r["world"] == large
+                and (r["config"], r.get("bucket")) == (before["config"], before.get("bucket"))
+            )
+            live = before["live_peak_bytes"] - after["live_peak_bytes"]
+            resident = before["peak_bytes"] - after["peak_bytes"]
+            print(
+                f"| {before['config']} {before.get('bucket') or ''} | {small} -> {large} "
+                f"| {ideal / 2**20:,.1f} | {live / 2**20:,.1f} | {live / ideal:.0%} "
+                f"| {resident / 2**20:,.0f} | {resident / ideal:.0%} |"
+            )
 
 
 if __name__ == "__main__":
