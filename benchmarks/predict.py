@@ -32,7 +32,7 @@ sys.path.insert(0, str(HERE))
 # runs recorded before bench.json carried its own.
 RECORDED_RATES = HERE / "results" / "machine_rates.json"
 
-from worker import CONFIGS  # noqa: E402
+from worker import config_entry  # noqa: E402
 
 _RATES = ("flops_per_second", "memory_bytes_per_second")
 
@@ -50,13 +50,16 @@ _FLAGS = {
 def schedule_flags(config: str) -> list[str] | None:
     """The `zppc schedule` flags of a benchmark configuration (None: not a
     zppc row, or one the plan cannot express)."""
-    kind, fields = CONFIGS[config]
+    kind, fields = config_entry(config)
     if kind != "zppc":
         return None
     flags = []
     for key, value in fields.items():
         if key == "hpz":
             flags += ["--hpz"] if value else []
+        elif key == "lowering":
+            if value != "eager":
+                return None  # Inductor fuses what the eager compute model counts op by op
         elif key == "cost_model":
             flags += ["--overlap", "cost"]
         elif key == "keep_gathered_bytes":

@@ -27,7 +27,7 @@ sys.path.insert(0, str(HERE))
 
 from cluster import ClusterError, EmulatedCluster, require_privileges  # noqa: E402
 from machine import measure_rates  # noqa: E402
-from worker import CONFIGS, FIRST_STEP_DONE, why_not_runnable  # noqa: E402
+from worker import CONFIGS, FIRST_STEP_DONE, config_entry, why_not_runnable  # noqa: E402
 
 QUICK_CONFIGS = ["torch-fsdp2", "zppc-zero3", "zppc-zero3-qwz-int8", "zppc-zero3-qgz"]
 
@@ -63,7 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--configs",
         default=None,
-        help="comma-separated subset of (default: all): " + ", ".join(CONFIGS),
+        help="comma-separated subset of (default: all): "
+        + ", ".join(CONFIGS)
+        + "; a zppc row followed by @eager or @inductor runs with that lowering",
     )
     p.add_argument(
         "--compute-slowdown",
@@ -84,9 +86,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.inter_bw = "100mbit"
         args.configs = args.configs or ",".join(QUICK_CONFIGS)
     args.configs = args.configs or ",".join(CONFIGS)
-    unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
-    if unknown:
-        p.error(f"unknown configurations {unknown}")
+    for name in args.configs.split(","):
+        try:
+            config_entry(name)
+        except KeyError as exc:
+            p.error(f"unknown configuration {exc}")
     return args
 
 

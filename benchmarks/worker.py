@@ -62,9 +62,25 @@ CONFIGS: dict[str, tuple[str, dict | None]] = {
 }
 
 
+LOWERINGS = ("eager", "inductor")
+
+
+def config_entry(name: str) -> tuple[str, dict | None]:
+    """A row's builder kind and zppc Config fields: a name in CONFIGS, or a zppc
+    one followed by `@eager` or `@inductor`, its lowering for that row alone, so
+    that one run measures both side by side (otherwise `--lowering` decides)."""
+    base, at, lowering = name.partition("@")
+    kind, fields = CONFIGS[base]
+    if at:
+        if kind != "zppc" or lowering not in LOWERINGS:
+            raise KeyError(f"{name}: only zppc rows take @{'/@'.join(LOWERINGS)}")
+        fields = {**fields, "lowering": lowering}
+    return kind, fields
+
+
 def why_not_runnable(name: str) -> str | None:
     """None if `name` can run here, else the reason (checked before launching)."""
-    kind, fields = CONFIGS[name]
+    kind, fields = config_entry(name)
     if kind == "deepspeed":
         try:
             import deepspeed  # noqa: F401
@@ -94,7 +110,7 @@ def link_tx_bytes() -> int:
 
 def build(name: str, model, args):
     """The step function and optimizer of one configuration."""
-    kind, fields = CONFIGS[name]
+    kind, fields = config_entry(name)
     if kind == "torch-ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -133,7 +149,7 @@ def build(name: str, model, args):
     if fields.get("cost_model") == "cluster":
         fields["cost_model"] = cluster_cost_model(args)
     node_size = getattr(args, "node_size", None) or int(os.environ["LOCAL_WORLD_SIZE"])
-    config = zppc.Config(**fields, lowering=args.lowering, node_size=node_size)
+    config = zppc.Config(**{"lowering": args.lowering, **fields}, node_size=node_size)
     zppc.distribute(model, config)
     return torch.compile(model, backend="zppc"), torch.optim.AdamW(model.parameters(), lr=args.lr)
 
@@ -171,12 +187,13 @@ def main() -> None:
 
     import zppc
     from zppc.data import random_windows, stdlib_corpus
+    from zppc.distribute import state_of
     from zppc.models import GPT, PRESETS
 
     torch.manual_seed(0)
     model = GPT(PRESETS[args.preset])
     step, opt = build(args.config, model, args)
-    kind = CONFIGS[args.config][0]
+    kind = config_entry(args.config)[0]
     batches = random_windows(stdlib_corpus(4 << 20), args.batch_size, args.block, seed=1000 + rank)
     times, loss, wire_start = [], None, 0
     for i in range(args.warmup + args.steps):
@@ -230,6 +247,7 @@ def main() -> None:
             "peak_rss_bytes_per_rank": max(peak_rss),
             "timed_steps": args.steps,
             "warmup_steps": args.warmup,
+            "lowering": state_of(model).config.lowering if kind == "zppc" else None,
         }
         with open(args.result, "w") as f:
             json.dump(result, f)

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-from worker import FIRST_STEP_DONE  # noqa: E402
+from run import QUICK_CONFIGS  # noqa: E402
+from worker import FIRST_STEP_DONE, config_entry  # noqa: E402
 
 CAN_RUN = os.geteuid() == 0 and shutil.which("tc") is not None and shutil.which("ip") is not None
 
@@ -23,7 +24,15 @@ pytestmark = pytest.mark.timeout(900)
 )
 def test_quick_run_builds_measures_and_removes_the_cluster(tmp_path):
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--out", str(tmp_path)],
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "run.py"),
+            "--quick",
+            "--configs",
+            ",".join(QUICK_CONFIGS + ["zppc-zero3@inductor"]),
+            "--out",
+            str(tmp_path),
+        ],
         capture_output=True,
         text=True,
         timeout=840,
@@ -42,6 +51,7 @@ def test_quick_run_builds_measures_and_removes_the_cluster(tmp_path):
         "zppc-zero3",
         "zppc-zero3-qwz-int8",
         "zppc-zero3-qgz",
+        "zppc-zero3@inductor",
     }
     for name in rows:
         assert rows[name]["status"] == "ok", rows[name]
@@ -53,6 +63,12 @@ def test_quick_run_builds_measures_and_removes_the_cluster(tmp_path):
     # qwZ and qgZ put fewer bytes on the wire than plain zero3, by the link's own counters.
     for name in ("zppc-zero3-qwz-int8", "zppc-zero3-qgz"):
         assert rows[name]["wire_bytes"] < rows["zppc-zero3"]["wire_bytes"]
+    # A row's own lowering reaches its ranks; the others run the run's.
+    assert rows["zppc-zero3@inductor"]["lowering"] == "inductor"
+    assert rows["zppc-zero3"]["lowering"] == "eager" and rows["torch-fsdp2"]["lowering"] is None
+    assert rows["zppc-zero3@inductor"]["final_loss"] == pytest.approx(
+        rows["zppc-zero3"]["final_loss"], rel=1e-3
+    )
     assert (tmp_path / "bench.png").stat().st_size > 0
     # The run records one thread's rates for benchmarks/predict.py.
     rates = report["machine_rates"]
@@ -70,6 +86,24 @@ def test_machine_rates_count_bytes_as_the_cost_model_does(monkeypatch):
     # Quantize: pad, abs, amax, where, mul, floor, clamp, casts...; dequantize
     # back: several passes over the 256 KiB shard, each counted once.
     assert 10 * 2**18 < rates["memory_bytes_per_second"] * 0.5 < 100 * 2**18
+
+
+def test_a_zppc_row_can_name_its_lowering():
+    """`zppc-zero3@inductor` runs zero3 under Inductor whatever `--lowering`
+    says, so one run measures both lowerings side by side; other rows, and
+    other suffixes, are refused before anything starts."""
+    import run
+
+    assert config_entry("zppc-zero3@inductor") == (
+        "zppc",
+        {"strategy": "zero3", "lowering": "inductor"},
+    )
+    assert config_entry("zppc-zero3") == ("zppc", {"strategy": "zero3"})
+    for bad in ("torch-fsdp2@inductor", "zppc-zero3@aot", "zppc-zero4"):
+        with pytest.raises(KeyError):
+            config_entry(bad)
+        with pytest.raises(SystemExit):
+            run.parse_args(["--configs", f"zppc-zero3,{bad}"])
 
 
 def test_predict_refuses_an_inductor_run():
