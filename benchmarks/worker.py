@@ -78,6 +78,15 @@ def config_entry(name: str) -> tuple[str, dict | None]:
     return kind, fields
 
 
+def config_name(name: str) -> str:
+    """`--config`'s argparse type: a name `config_entry` knows."""
+    try:
+        config_entry(name)
+    except KeyError as exc:
+        raise argparse.ArgumentTypeError(f"unknown configuration {exc}") from None
+    return name
+
+
 def why_not_runnable(name: str) -> str | None:
     """None if `name` can run here, else the reason (checked before launching)."""
     kind, fields = config_entry(name)
@@ -166,7 +175,7 @@ def cluster_cost_model(args):
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--config", required=True, choices=sorted(CONFIGS))
+    p.add_argument("--config", required=True, type=config_name)
     p.add_argument("--preset", default="gpt-small")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
