@@ -238,6 +238,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-o", "--output", type=Path, default=None, help="the rows as JSON")
     p.add_argument("--row", default=None, help=argparse.SUPPRESS)  # one row, in a child
     args = p.parse_args(argv)
+    known = {"torch-fsdp2", "torch-fsdp2-compile-stack", "zppc-zero3"}
+    configs = args.configs.split(",")
+    if "torch-fsdp2" not in configs or not set(configs) <= known:
+        p.error(f"--configs: torch-fsdp2 and any of {sorted(known)}, got {args.configs!r}")
+    if args.accumulate < 1:
+        p.error(f"--accumulate must be at least 1, got {args.accumulate}")
     if args.row:
         kind, world, bucket, what = args.row.split(":")
         live = what == "live"
@@ -258,10 +264,10 @@ def main(argv: list[str] | None = None) -> int:
     buckets = args.bucket_mb.split(",")
     rows = []
     for world in worlds:
-        configs = [(kind, "0") for kind in args.configs.split(",") if kind != "zppc-zero3"]
-        if "zppc-zero3" in args.configs.split(","):
-            configs += [("zppc-zero3", b) for b in buckets]
-        for kind, bucket in configs:
+        rows_here = [(kind, "0") for kind in configs if kind != "zppc-zero3"]
+        if "zppc-zero3" in configs:
+            rows_here += [("zppc-zero3", b) for b in buckets]
+        for kind, bucket in rows_here:
             row = {}
             for what in ("rss", "live"):
                 row.update(
