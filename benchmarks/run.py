@@ -195,7 +195,8 @@ def main(argv=None) -> int:
 def print_table(report: dict, args) -> None:
     print(
         f"\n{args.model}, {args.nodes} nodes x {args.ranks_per_node} ranks, batch {args.batch_size}x{args.block} per rank, "
-        f"{args.steps} timed steps after {args.warmup} warm-up, lowering={args.lowering}\n"
+        f"{args.steps} timed steps after {args.warmup} warm-up, lowering={args.lowering} "
+        "(a row named NAME@LOWERING runs its own)\n"
     )
     for link in report["links"]:
         rows = {r["config"]: r for r in link["rows"] if r["status"] == "ok"}
