@@ -41,6 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+ROWS = ("torch-fsdp2", "torch-fsdp2-compile-stack", "zppc-zero3")
 
 
 def build_step(
@@ -232,16 +233,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--configs",
-        default="torch-fsdp2,torch-fsdp2-compile-stack,zppc-zero3",
+        default=",".join(ROWS),
         help="rows to measure (torch-fsdp2 is needed: the ratios are to it)",
     )
     p.add_argument("-o", "--output", type=Path, default=None, help="the rows as JSON")
     p.add_argument("--row", default=None, help=argparse.SUPPRESS)  # one row, in a child
     args = p.parse_args(argv)
-    known = {"torch-fsdp2", "torch-fsdp2-compile-stack", "zppc-zero3"}
     configs = args.configs.split(",")
-    if "torch-fsdp2" not in configs or not set(configs) <= known:
-        p.error(f"--configs: torch-fsdp2 and any of {sorted(known)}, got {args.configs!r}")
+    if "torch-fsdp2" not in configs or not set(configs) <= set(ROWS):
+        p.error(f"--configs: torch-fsdp2 and any of {list(ROWS)}, got {args.configs!r}")
     if args.accumulate < 1:
         p.error(f"--accumulate must be at least 1, got {args.accumulate}")
     if args.row:

@@ -27,7 +27,13 @@ sys.path.insert(0, str(HERE))
 
 from cluster import ClusterError, EmulatedCluster, require_privileges  # noqa: E402
 from machine import measure_rates  # noqa: E402
-from worker import CONFIGS, FIRST_STEP_DONE, config_entry, why_not_runnable  # noqa: E402
+from worker import (  # noqa: E402
+    CONFIGS,
+    FIRST_STEP_DONE,
+    LOWERINGS,
+    config_entry,
+    why_not_runnable,
+)
 
 QUICK_CONFIGS = ["torch-fsdp2", "zppc-zero3", "zppc-zero3-qwz-int8", "zppc-zero3-qgz"]
 
@@ -47,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--block", type=int, default=128)
-    p.add_argument("--lowering", default="eager", choices=["eager", "inductor"])
+    p.add_argument("--lowering", default="eager", choices=LOWERINGS)
     p.add_argument(
         "--bucket-mb",
         type=float,
