@@ -57,6 +57,7 @@ from zppc.passes.zero import (
     CollectiveMatch,
     find_collectives,
 )
+from zppc.runtime import compat
 from zppc.runtime.topology import group_backend, group_ranks
 
 from zppc.cost import CostModel, collective_seconds
@@ -236,7 +237,6 @@ def pin_gather_issues(gm: fx.GraphModule, prefetch: int) -> None:
     (and what the graph saves from them); those become buffers of their own,
     so no kernel reads that bucket after the gather. Run on the final graph, right before Inductor lowers it: the
     graph no longer has the `CollectiveMatch` form other passes look for."""
-    from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
     from torch.utils._ordered_set import OrderedSet
 
     order = _Order(gm.graph)
@@ -254,7 +254,7 @@ def pin_gather_issues(gm: fx.GraphModule, prefetch: int) -> None:
         )
         if before:
             deps[issue] = OrderedSet(before)
-    preserve_node_ordering(gm.graph, deps)
+    compat.preserve_node_ordering()(gm.graph, deps)
     gm.recompile()
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from zppc.runtime import compat
 from zppc.runtime.failures import waiting_on
 from zppc.runtime.ledger import record
 from zppc.runtime.topology import group_ranks, group_size
@@ -103,7 +104,7 @@ def all_gather_in_place(shard: Tensor, group_name: str) -> Tensor:
     out = shard.new_empty(shard.numel() * group.size())
     mine = out.narrow(0, dist.get_rank(group) * shard.numel(), shard.numel())
     mine.copy_(shard.reshape(-1))
-    work = dist.all_gather_single(out, mine, group=group, async_op=True)
+    work = compat.all_gather_single(out, mine, group=group, async_op=True)
     torch._C._distributed_c10d._register_work(out, work)
     return out
 
@@ -118,7 +119,7 @@ def all_gather_flat(shard: Tensor, group_name: str) -> Tensor:
     group = _GROUP_FROM_NAME(group_name)
     out = shard.new_empty(shard.numel() * group.size())
     with waiting_on(f"an eager all-gather over ranks {group_ranks(group_name)}"):
-        dist.all_gather_single(out, shard.contiguous(), group=group)
+        compat.all_gather_single(out, shard.contiguous(), group=group)
     record("all_gather", group_name, bytes_per_peer("all_gather", shard, group.size()))
     return out
 
@@ -128,7 +129,7 @@ def reduce_scatter_flat(flat: Tensor, group_name: str) -> Tensor:
     group = _GROUP_FROM_NAME(group_name)
     out = flat.new_empty(flat.numel() // group.size())
     with waiting_on(f"an eager reduce-scatter over ranks {group_ranks(group_name)}"):
-        dist.reduce_scatter_single(out, flat.contiguous(), op=dist.ReduceOp.SUM, group=group)
+        compat.reduce_scatter_single(out, flat.contiguous(), op=dist.ReduceOp.SUM, group=group)
     record("reduce_scatter", group_name, bytes_per_peer("reduce_scatter", flat, group.size()))
     return out
 
@@ -156,7 +157,7 @@ def all_gather_ints(out: Tensor, mine: Tensor, group_name: str) -> None:
     decisions all ranks must take together)."""
     group = _GROUP_FROM_NAME(group_name)
     with waiting_on(f"the gradient check over ranks {group_ranks(group_name)}"):
-        dist.all_gather_single(out, mine, group=group)
+        compat.all_gather_single(out, mine, group=group)
     record("all_gather", group_name, bytes_per_peer("all_gather", mine, group.size()))
 
 

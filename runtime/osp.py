@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import Tensor
 from zppc.kernels import qgz as qgz_kernels
 from zppc.kernels.quant import FORMAT_BITS, PayloadLayout
+from zppc.runtime import compat
 from zppc.runtime.collectives import all_gather_flat, bytes_per_peer
 from zppc.runtime.failures import wait_for, waiting_on
 from zppc.runtime.ledger import record
@@ -590,7 +591,7 @@ def _issue_one(osp: OspState, send: Tensor, numel: int, mode: str, world: int) -
         work = dist.all_to_all_single(total, send, group=group, async_op=True)
     elif kind == "reduce_scatter":
         total = send.new_empty(numel)
-        work = dist.reduce_scatter_single(total, send, group=group, async_op=True)
+        work = compat.reduce_scatter_single(total, send, group=group, async_op=True)
     else:
         total = send
         work = dist.all_reduce(total, group=group, async_op=True)

@@ -51,6 +51,7 @@ from zppc.config import (
     qualified_name,
     repeated_blocks,
 )
+from zppc.runtime import compat
 from zppc.runtime.collectives import all_gather_ints, broadcast_from_first
 from zppc.runtime.grad_sync import GradSync, gathered, new_grad_sync
 from zppc.runtime.osp import OspState, before_optimizer_step, stepping_subset, two_hops_for
@@ -952,5 +953,5 @@ def gather_full(spec: ShardSpec, local: Tensor) -> Tensor:
     if spec.mode == "ddp":
         return local.detach().clone()
     gathered = local.new_empty(spec.shard_numel * spec.world_size)
-    dist.all_gather_single(gathered, local.detach().contiguous())
+    compat.all_gather_single(gathered, local.detach().contiguous())
     return gathered[: spec.numel].view(spec.shape).clone()
