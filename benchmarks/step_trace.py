@@ -5,6 +5,7 @@ asynchronous collectives overlap compute (gloo on CPU, NCCL on GPU).
     torchrun --nproc-per-node 4 benchmarks/step_trace.py --config zppc-zero3 --node-size 2
     torchrun --nproc-per-node 4 benchmarks/step_trace.py --config zppc-osp --node-size 2
     python benchmarks/step_trace.py --config zppc-osp --inter-bw 100mbit    # 2 nodes x 2, root
+    torchrun --nproc-per-node 1 benchmarks/step_trace.py --backend nccl --preset gpt-medium
 
 With `--inter-bw` the script runs itself on the emulated cluster of
 benchmarks/cluster.py (`--nodes` x `--ranks-per-node`, the nodes joined by a
@@ -18,6 +19,13 @@ prints, per step phase, the collectives' busy time and the part of it during
 which the main thread computed (was in no wait), plus each collective
 still in flight when the backward that issued it ended (OSP's stage 2): how
 much of it ran under the next step's optimizer and forward.
+
+With `--backend nccl` (one GPU per rank) it also records the GPU: NCCL runs
+each collective on a stream of its own, so the evidence is on the device's
+timeline. The compute stream is the one that ran the most kernel time; every
+kernel or copy on another stream is communication (a world of one rank makes
+NCCL's collectives device copies on its stream, not kernels named `nccl`),
+and hidden is the part of it during which a compute kernel ran.
 """
 
 from __future__ import annotations
@@ -122,6 +130,56 @@ def analyse(events: list[dict]) -> dict:
     }
 
 
+GPU_ACTIVITY = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def analyse_gpu(events: list[dict]) -> dict:
+    """Streams, communication and its overlap with compute kernels
+    (microseconds) read off the GPU side of a Chrome trace."""
+    activity = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_ACTIVITY]
+    if not activity:
+        raise ValueError("the trace holds no GPU activity (was CUDA profiled?)")
+    by_stream: dict[int, list[dict]] = {}
+    for e in activity:
+        by_stream.setdefault(e.get("args", {}).get("stream", e["tid"]), []).append(e)
+
+    def kernel_time(stream: int) -> float:
+        return sum(e["dur"] for e in by_stream[stream] if e["cat"] == "kernel")
+
+    compute = max(by_stream, key=kernel_time)
+    spans = {s: union([(e["ts"], e["ts"] + e["dur"]) for e in es]) for s, es in by_stream.items()}
+    kernels = union(
+        [(e["ts"], e["ts"] + e["dur"]) for e in by_stream[compute] if e["cat"] == "kernel"]
+    )
+    comm = union([piece for s in by_stream if s != compute for piece in spans[s]])
+    streams = []
+    for s, es in sorted(by_stream.items()):
+        names: dict[str, float] = {}
+        for e in es:
+            names[e["name"]] = names.get(e["name"], 0.0) + e["dur"]
+        top = sorted(names.items(), key=lambda kv: -kv[1])[:3]
+        streams.append(
+            {
+                "stream": s,
+                "role": "compute" if s == compute else "communication",
+                "events": len(es),
+                "busy_seconds": length(spans[s]) / 1e6,
+                "top": [{"name": n[:80], "seconds": t / 1e6} for n, t in top],
+            }
+        )
+    nccl_calls = [e for e in events if e.get("ph") == "X" and e["name"].startswith("nccl:")]
+    lo = min(e["ts"] for e in activity)
+    hi = max(e["ts"] + e["dur"] for e in activity)
+    return {
+        "gpu_seconds": (hi - lo) / 1e6,
+        "compute_kernel_seconds": length(kernels) / 1e6,
+        "communication_seconds": length(comm) / 1e6,
+        "hidden_seconds": overlap(comm, kernels) / 1e6,
+        "collectives_issued": len(nccl_calls),
+        "streams": streams,
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -141,11 +199,17 @@ def main() -> None:
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--ranks-per-node", type=int, default=2)
     p.add_argument("--tag", default="", help="added to the output file names")
+    p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     args = p.parse_args()
     if args.inter_bw is not None:
         sys.exit(on_emulated_cluster(args))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    on_gpu = args.backend == "nccl"
+    device = torch.device("cpu")
+    if on_gpu:
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    dist.init_process_group(args.backend)
     rank = dist.get_rank()
 
     from zppc.data import random_windows, stdlib_corpus
@@ -153,11 +217,12 @@ def main() -> None:
 
     torch.manual_seed(0)
     model = GPT(PRESETS[args.preset])
+    model.to(device)
     step, opt = build(args.config, model, args)
     batches = random_windows(stdlib_corpus(4 << 20), args.batch_size, args.block, seed=1000 + rank)
 
     def train(i: int) -> None:
-        x, y = next(batches)
+        x, y = (t.to(device) for t in next(batches))
         with record_function(f"step {i} forward"):
             loss = step(x, y)
         with record_function(f"step {i} backward"):
@@ -169,9 +234,12 @@ def main() -> None:
     for i in range(args.warmup):
         train(-i)
     dist.barrier()
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities, record_shapes=False) as prof:
         for i in (1, 2):
             train(i)
+        if on_gpu:
+            torch.cuda.synchronize()
     dist.barrier()
     if rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -181,7 +249,8 @@ def main() -> None:
         with gzip.open(f"{raw}.gz", "wt") as f:
             json.dump({"traceEvents": events}, f)
         raw.unlink()
-        report(args, analyse(events), f"{raw}.gz")
+        result = {"gpu": analyse_gpu(events)} if on_gpu else analyse(events)
+        report(args, result, f"{raw}.gz")
     dist.destroy_process_group()
 
 
@@ -217,6 +286,22 @@ def on_emulated_cluster(args) -> int:
 
 def report(args, result: dict, path: str) -> None:
     world = int(os.environ["WORLD_SIZE"])
+    if "gpu" in result:
+        print(
+            f"\n{args.config}, {args.preset}, batch {args.batch_size} x {args.block}, {world} "
+            f"rank(s) on NCCL, {args.lowering} lowering; steps 1-2 after {args.warmup} warm-up steps"
+        )
+        report_gpu(result["gpu"])
+    else:
+        report_cpu(args, result, world)
+    print(f"\nwrote {path}")
+    json_path = Path(path).with_name(f"trace_{args.config}{args.tag}_summary.json")
+    json_path.write_text(
+        json.dumps({"args": vars(args) | {"out": str(args.out)}, **result}, indent=1)
+    )
+
+
+def report_cpu(args, result: dict, world: int) -> None:
     print(
         f"\n{args.config}, {args.preset}, {world} ranks, node size {args.node_size}, "
         f"{args.lowering} lowering; rank 0, steps 1-2 after {args.warmup} warm-up steps; "
@@ -242,11 +327,24 @@ def report(args, result: dict, path: str) -> None:
             f"  {c['collective']}: {c['seconds']:.3f} s, {c['after_backward_seconds']:.3f} s "
             f"after the backward ended; under step 1's optimizer / step 2's: {under}"
         )
-    print(f"\nwrote {path}")
-    json_path = Path(path).with_name(f"trace_{args.config}{args.tag}_summary.json")
-    json_path.write_text(
-        json.dumps({"args": vars(args) | {"out": str(args.out)}, **result}, indent=1)
+
+
+def report_gpu(gpu: dict) -> None:
+    comm = gpu["communication_seconds"]
+    print(
+        f"\nGPU timeline: {gpu['gpu_seconds'] * 1e3:.2f} ms, compute kernels "
+        f"{gpu['compute_kernel_seconds'] * 1e3:.2f} ms, communication streams "
+        f"{comm * 1e3:.3f} ms of which {gpu['hidden_seconds'] * 1e3:.3f} ms "
+        f"({gpu['hidden_seconds'] / comm if comm else 0:.0%}) ran beside a compute kernel; "
+        f"{gpu['collectives_issued']} NCCL collectives issued\n"
     )
+    print("| stream | role | events | busy ms | most time in |")
+    print("|---:|---|---:|---:|---|")
+    for s in gpu["streams"]:
+        top = "; ".join(f"{t['name']} {t['seconds'] * 1e3:.3f} ms" for t in s["top"])
+        print(
+            f"| {s['stream']} | {s['role']} | {s['events']} | {s['busy_seconds'] * 1e3:.3f} | {top} |"
+        )
 
 
 if __name__ == "__main__":

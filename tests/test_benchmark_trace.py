@@ -66,3 +66,52 @@ def test_the_script_traces_two_steps_of_two_ranks(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert (tmp_path / "trace_zppc-zero3.json.gz").exists()
     assert "| all |" in done.stdout
+
+
+def gpu(name: str, start: float, end: float, stream: int, cat: str = "kernel") -> dict:
+    return {
+        "ph": "X",
+        "cat": cat,
+        "name": name,
+        "ts": start,
+        "dur": end - start,
+        "pid": 0,
+        "tid": stream,
+        "args": {"device": 0, "stream": stream},
+    }
+
+
+def test_on_the_gpu_communication_is_every_other_stream_and_hidden_is_beside_a_kernel():
+    """NCCL's own stream, found without its kernels' names (a world of one
+    makes its collectives plain device copies); the compute stream is the one
+    with the most kernel time, and its copies are not communication."""
+    COMPUTE, NCCL = 7, 20
+    events = [
+        gpu("sm80_gemm", 0, 50, COMPUTE),
+        gpu("triton_poi_fused", 60, 100, COMPUTE),
+        gpu("Memcpy HtoD", 100, 110, COMPUTE, "gpu_memcpy"),  # the batch: not communication
+        gpu("Memcpy DtoD", 40, 70, NCCL, "gpu_memcpy"),  # 10 beside the gemm, 10 beside triton
+        gpu("ncclDevKernel_AllGather", 105, 125, NCCL),  # beside no kernel
+        {
+            "ph": "X",
+            "cat": "cpu_op",
+            "name": "nccl:all_gather_into_tensor",
+            "ts": 30,
+            "dur": 5,
+            "tid": 1,
+        },
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5, "tid": 1},
+    ]
+    result = step_trace.analyse_gpu(events)
+    assert result["communication_seconds"] == pytest.approx(50e-6)
+    assert result["hidden_seconds"] == pytest.approx(20e-6)
+    assert result["compute_kernel_seconds"] == pytest.approx(90e-6)
+    assert result["gpu_seconds"] == pytest.approx(125e-6)
+    assert result["collectives_issued"] == 1
+    roles = {s["stream"]: s["role"] for s in result["streams"]}
+    assert roles == {COMPUTE: "compute", NCCL: "communication"}
+
+
+def test_a_trace_without_gpu_activity_is_refused():
+    with pytest.raises(ValueError, match="no GPU activity"):
+        step_trace.analyse_gpu([span("step 1 forward", 0, 100)])
