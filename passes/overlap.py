@@ -254,7 +254,7 @@ def pin_gather_issues(gm: fx.GraphModule, prefetch: int) -> None:
         )
         if before:
             deps[issue] = OrderedSet(before)
-    compat.preserve_node_ordering()(gm.graph, deps)
+    compat.preserve_node_ordering(gm.graph, deps)
     gm.recompile()
 
 

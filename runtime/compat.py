@@ -12,20 +12,18 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def preserve_node_ordering():
-    """torch's `preserve_node_ordering`, its `control_deps` runnable on tensors
-    that carry autograd state (torch 2.11 has no Autograd kernel for it: the
-    compiled graph fails on CUDA; 2.13 registers the same one)."""
+def preserve_node_ordering(graph, deps) -> None:
+    """torch's `preserve_node_ordering`, with `control_deps` runnable on
+    tensors that carry autograd state (torch 2.11 has no Autograd kernel for
+    it: the compiled graph fails on CUDA; 2.13 registers the same one)."""
     from torch._C import DispatchKey
-    from torch._inductor.fx_passes.control_dependencies import (
-        control_deps,
-        preserve_node_ordering,
-    )
+    from torch._inductor.fx_passes import control_dependencies
 
+    control_deps = control_dependencies.control_deps
     if DispatchKey.Autograd not in control_deps.py_kernels:
 
         @control_deps.py_impl(DispatchKey.Autograd)
         def _(additional_deps, subgraph, *args, **kwargs):
             return subgraph(*args, **kwargs)
 
-    return preserve_node_ordering
+    control_dependencies.preserve_node_ordering(graph, deps)
