@@ -37,6 +37,12 @@ CONFIGS: dict[str, tuple[str, dict | None]] = {
     "zppc-zero3-native-rs": ("zppc", {"strategy": "zero3", "reduce_scatter": "native"}),
     # The overlap pass off: every collective waited right after its issue.
     "zppc-zero3-serial": ("zppc", {"strategy": "zero3", "disable_passes": ("overlap",)}),
+    # Gradient reductions on the same gloo group as the gathers (the
+    # reduction_groups pass off): a gather issued behind a reduction waits for it.
+    "zppc-zero3-one-group": (
+        "zppc",
+        {"strategy": "zero3", "disable_passes": ("reduction_groups",)},
+    ),
     # Weights kept gathered from forward to backward (what DeepSpeed's
     # prefetcher does for a model this small; FSDP2's reshard_after_forward=False).
     "zppc-zero3-keep": ("zppc", {"strategy": "zero3", "keep_gathered_bytes": 2**30}),

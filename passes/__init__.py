@@ -33,6 +33,7 @@ PASS_NAMES = (
     "qgz",
     "reduce_scatter",
     "sync_buffers",
+    "reduction_groups",
     "overlap",
 )
 
@@ -156,6 +157,7 @@ def build_passes(config) -> list[GraphPass]:
     from zppc.passes.qgz import qgz_pass
     from zppc.passes.qwz import qwz_pass
     from zppc.passes.reduce_scatter import reduce_scatter_pass
+    from zppc.passes.reduction_groups import reduction_groups_pass
     from zppc.passes.rtp import rtp_pass
     from zppc.passes.sync_buffers import sync_buffers_pass
     from zppc.passes.zero import zero_pass
@@ -177,6 +179,7 @@ def build_passes(config) -> list[GraphPass]:
         passes.append(GraphPass("reduce_scatter", reduce_scatter_pass, ("backward",)))
     if config.buffer_sync is not None:
         passes.append(GraphPass("sync_buffers", sync_buffers_pass, ("forward",)))
+    passes.append(GraphPass("reduction_groups", reduction_groups_pass, ("backward",)))
     passes.append(GraphPass("overlap", overlap_pass, ("forward", "backward")))
     return [p for p in passes if p.name not in config.disable_passes]
 

@@ -116,8 +116,8 @@ def overlap_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     graph = gm.graph
     matches = find_collectives(graph)
     order = _Order(graph)
-    gathers = [m for m in matches if _is_gather(m)]
-    others = [m for m in matches if not _is_gather(m)]
+    gathers = [m for m in matches if is_param_gather(m)]
+    others = [m for m in matches if not is_param_gather(m)]
     # Step 1, latest first: an earlier collective raised afterwards lands right
     # after its inputs, ahead of the compute a later one pulled up.
     for m in reversed(others):
@@ -240,7 +240,7 @@ def pin_gather_issues(gm: fx.GraphModule, prefetch: int) -> None:
     from torch.utils._ordered_set import OrderedSet
 
     order = _Order(gm.graph)
-    gathers = [m for m in find_collectives(gm.graph) if _is_gather(m)]
+    gathers = [m for m in find_collectives(gm.graph) if is_param_gather(m)]
     streamed = [m for m, _ in _streamed_gathers(gathers, order)]
     deps: dict[fx.Node, OrderedSet[fx.Node]] = {}
     for k in range(prefetch + 1, len(streamed)):
@@ -354,7 +354,7 @@ def _transfer_seconds(m: CollectiveMatch, cost: CostModel) -> float:
     from zppc.schedule import point_of, scheduled_collective
 
     entry = scheduled_collective(point_of(m), "", 0, group_ranks(m.group_name)[0])
-    return collective_seconds(dataclasses.replace(cost.links, gloo=_on_gloo(m.group_name)), entry)
+    return collective_seconds(dataclasses.replace(cost.links, gloo=on_gloo(m.group_name)), entry)
 
 
 def _hoist(node: fx.Node, cursor: _Cursor) -> None:
@@ -441,7 +441,7 @@ def one_in_flight_on_gloo(matches: list[CollectiveMatch], order: _Order) -> None
     latest: dict[str, CollectiveMatch] = {}
     for m in sorted(matches, key=lambda m: order[m.issue]):
         before = latest.get(m.group_name)
-        if before is not None and order[before.wait] > order[m.issue] and _on_gloo(m.group_name):
+        if before is not None and order[before.wait] > order[m.issue] and on_gloo(m.group_name):
             order.move_before(before.wait, min(m.record, m.issue, key=order.__getitem__))
         latest[m.group_name] = m
 
@@ -453,7 +453,7 @@ def _gathers_after_the_previous_wait(matches: list[CollectiveMatch], order: _Ord
     before the first layer computed): it moves down to just after that wait,
     its ledger hook with it."""
     previous: dict[str, CollectiveMatch] = {}
-    gathers = [m for m in matches if _is_gather(m) and _on_gloo(m.group_name)]
+    gathers = [m for m in matches if is_param_gather(m) and on_gloo(m.group_name)]
     for m in sorted(gathers, key=lambda m: order[m.issue]):
         before = previous.get(m.group_name)
         if before is not None and order[m.issue] < order[before.wait] < order[m.wait]:
@@ -461,11 +461,11 @@ def _gathers_after_the_previous_wait(matches: list[CollectiveMatch], order: _Ord
         previous[m.group_name] = m
 
 
-def _is_gather(m: CollectiveMatch) -> bool:
+def is_param_gather(m: CollectiveMatch) -> bool:
     return bool(m.wait.meta.get(PARAM_GATHER))
 
 
-def _on_gloo(group_name: str) -> bool:
+def on_gloo(group_name: str) -> bool:
     """Whether the group runs on gloo: a plan's groups (the fake process group)
     stand for the backend it plans for."""
     from zppc.passes import planned_backend

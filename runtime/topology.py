@@ -131,10 +131,47 @@ def setup_groups(
     groups = Groups(
         world=world.group_name, intra_node=intra.group_name, cross_node=cross.group_name, mesh=mesh
     )
-    _GROUPS[key] = ([world, intra, cross], groups)
+    alive = [world, intra, cross]
     for name in (groups.world, groups.intra_node, groups.cross_node):
         _NODE_SIZE.setdefault((world_epoch(), name), topology.node_size)
+    if dist.get_backend() in TWINNED_BACKENDS:
+        alive += _create_twins(topology, (world, intra, cross), timeout)
+    _GROUPS[key] = (alive, groups)
     return groups
+
+
+# Backends whose groups get a reduction twin: gloo runs one collective in
+# flight per group here (`zppc.passes.overlap.one_in_flight_on_gloo`), and the
+# fake process group plans for gloo as well as NCCL.
+TWINNED_BACKENDS = ("gloo", "fake")
+# (world epoch, group name) -> its twin's name.
+_TWINS: dict[tuple[int, str], str] = {}
+
+
+def _create_twins(
+    topology: Topology, originals: tuple[dist.ProcessGroup, ...], timeout: timedelta | None
+) -> list[dist.ProcessGroup]:
+    """A second group over the same ranks for each of the world, intra-node
+    and cross-node groups (collective, in that order on every rank): the
+    gradient reductions run on it, so that on gloo a parameter gather is never
+    issued behind a reduction still in flight (`zppc.passes.reduction_groups`)."""
+    world, intra, cross = originals
+    twins = [dist.new_group(list(range(topology.world_size)), timeout=timeout)]
+    twins.append(
+        dist.new_subgroups_by_enumeration(topology.intra_node_groups(), timeout=timeout)[0]
+    )
+    twins.append(
+        dist.new_subgroups_by_enumeration(topology.cross_node_groups(), timeout=timeout)[0]
+    )
+    for original, twin in zip(originals, twins, strict=True):
+        _TWINS[(world_epoch(), original.group_name)] = twin.group_name
+        _NODE_SIZE[(world_epoch(), twin.group_name)] = topology.node_size
+    return twins
+
+
+def reduction_twin(group_name: str) -> str | None:
+    """The twin of one of zppc's groups (see `_create_twins`); None if it has none."""
+    return _TWINS.get((world_epoch(), group_name))
 
 
 def side_world_group(topology: Topology, timeout_s: float | None = None) -> str:

@@ -137,6 +137,39 @@ def test_forward_gathers_issued_in_the_order_they_are_used(fake_rank, backend):
 
 
 @pytest.mark.parametrize("fake_rank", [1], indirect=True)
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_gloo_reductions_run_on_a_group_of_their_own(fake_rank, backend):
+    """On gloo a group runs one collective in flight, so the backward's next
+    gather waited for the reduction before it: reductions take the group's
+    twin there, and a gather goes out while a reduction is still in flight.
+    NCCL keeps one group."""
+    from zppc.passes import planning
+    from zppc.runtime.topology import reduction_twin
+
+    with planning("torch", backend):
+        _, backward = final_graphs()
+    pos = positions(backward)
+    matches = find_collectives(backward.graph)
+    gathers = [m for m in matches if m.wait.meta.get(PARAM_GATHER)]
+    reductions = [m for m in matches if not m.wait.meta.get(PARAM_GATHER)]
+    assert len(gathers) >= 3 and len(reductions) >= 3
+    (gather_group,) = {m.group_name for m in gathers}
+    reduction_groups = {m.group_name for m in reductions}
+    under_a_reduction = [
+        g for g in gathers for r in reductions if pos[r.issue] < pos[g.issue] < pos[r.wait]
+    ]
+    if backend == "nccl":
+        assert reduction_groups == {gather_group}
+        return
+    assert reduction_groups == {reduction_twin(gather_group)} != {gather_group}
+    assert under_a_reduction, backward.code
+    # Still one in flight on each group.
+    for group in (gather_group, *reduction_groups):
+        on_it = sorted((pos[m.issue], pos[m.wait]) for m in matches if m.group_name == group)
+        assert most_alive(on_it) == 1
+
+
+@pytest.mark.parametrize("fake_rank", [1], indirect=True)
 def test_waits_at_first_use_and_reductions_issued_at_once(fake_rank):
     forward, backward = final_graphs(prefetch=1)
     for gm in (forward, backward):
@@ -432,5 +465,7 @@ def test_gloo_groups_have_one_collective_in_flight():
     from spawn import run_ranks
     from workers import in_flight_per_group
 
-    for most in run_ranks(in_flight_per_group, 4, timeout=540):
+    for most, beside_a_reduction in run_ranks(in_flight_per_group, 4, timeout=540):
         assert most and max(most.values()) == 1, most
+        # Reductions on their groups' twins: the backward's gathers go out beside them.
+        assert beside_a_reduction >= 2

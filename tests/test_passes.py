@@ -175,12 +175,22 @@ def test_pass_list_and_disable():
         "bucket",
         "reduce_scatter",
         "sync_buffers",
+        "reduction_groups",
         "overlap",
     ]
     config = zppc.Config(qwz="int8", qgz="int4", buffer_sync=None, reduce_scatter="native")
     names = [p.name for p in build_passes(config)]
-    assert names == ["dedupe_unshard", "zero", "qwz", "bucket", "qgz", "overlap"]
-    config = zppc.Config(disable_passes=("bucket", "reduce_scatter", "sync_buffers", "overlap"))
+    assert names == [
+        "dedupe_unshard",
+        "zero",
+        "qwz",
+        "bucket",
+        "qgz",
+        "reduction_groups",
+        "overlap",
+    ]
+    disabled = ("bucket", "reduce_scatter", "sync_buffers", "reduction_groups", "overlap")
+    config = zppc.Config(disable_passes=disabled)
     assert [p.name for p in build_passes(config)] == ["dedupe_unshard", "zero"]
 
 
@@ -188,7 +198,14 @@ def test_run_passes_records_every_pass(fake_pg):
     graphs = partitioned("zero3", fake_pg)
     ctx = PassContext(zppc.Config(lowering="eager"), "backward")
     run_passes(graphs["backward"], ctx)
-    assert [r.name for r in ctx.records] == ["input", "zero", "bucket", "reduce_scatter", "overlap"]
+    assert [r.name for r in ctx.records] == [
+        "input",
+        "zero",
+        "bucket",
+        "reduce_scatter",
+        "reduction_groups",
+        "overlap",
+    ]
     assert ctx.records[1].removed == {"unshard.default": 1, "reduce_grad.default": 1}
     assert op_census(graphs["backward"].graph)["record_comm.default"] == 2
 

@@ -501,7 +501,8 @@ def gpt_step_ledger(rank, world, config_kwargs):
 
 def in_flight_per_group(rank, world):
     """The most collectives in flight at once on any one process group, in the
-    final graphs of a GPT step on gloo (zero3 + hpZ on 2 x 2, small buckets)."""
+    final graphs of a GPT step on gloo (zero3 + hpZ on 2 x 2, small buckets),
+    and how many gathers are issued while a reduction is in flight."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     net = MODELS["gpt"]()
@@ -510,19 +511,18 @@ def in_flight_per_group(rank, world):
     step = torch.compile(net, backend="zppc")
     x, y = net.batch(0)
     step(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
-    from zppc.passes.zero import find_collectives
+    from zppc.passes.zero import PARAM_GATHER, find_collectives
 
-    most = {}
+    most, beside = {}, 0
     for record in zppc.inspect(step).compiles:
         for kind, gm in record.final.items():
             pos = {n: i for i, n in enumerate(gm.graph.nodes)}
             matches = find_collectives(gm.graph)
             for m in matches:
-                alive = sum(
-                    1
-                    for o in matches
-                    if o.group_name == m.group_name and pos[o.issue] <= pos[m.issue] < pos[o.wait]
-                )
+                in_flight = [o for o in matches if pos[o.issue] <= pos[m.issue] < pos[o.wait]]
+                alive = sum(1 for o in in_flight if o.group_name == m.group_name)
                 key = (kind, m.group_name)
                 most[key] = max(most.get(key, 0), alive)
-    return most
+                if m.wait.meta.get(PARAM_GATHER):
+                    beside += any(not o.wait.meta.get(PARAM_GATHER) for o in in_flight)
+    return most, beside

@@ -1,0 +1,38 @@
+"""The `reduction_groups` pass: on gloo, gradient reductions take a group of their own.
+
+Requires: every pass that creates or rewrites collectives has run (zero, qwz,
+bucket, qgz, reduce_scatter): collectives in the `CollectiveMatch` form, the
+group's name the last argument of the ledger hook and of the issue.
+Must run before `overlap`, whose one-in-flight rule is per group.
+
+Rewrite: every collective of the backward other than a parameter gather (the
+gradient reduce-scatters and all-reduces, qgZ's hops, the all-to-alls of a
+direct reduce-scatter) moves to its group's twin, a second group over the same
+ranks (`zppc.runtime.topology.reduction_twin`). Only on gloo: there a group
+runs one collective in flight (`overlap.one_in_flight_on_gloo`), so a
+backward's next gather, issued while a reduction was in flight on the same
+group, first waited for that reduction on the main thread, and the backward's
+compute stopped with it (0.4 s per bucket at 50 Mbit/s, `benchmarks/RESULTS.md`).
+On its own group a gather is issued at once and crosses the link beside the
+reduction. NCCL runs several in flight per group; its graphs are unchanged.
+
+Every rank rewrites alike (the groups' backend and the graph only). Numerics:
+unchanged, the same collectives over the same ranks.
+"""
+
+from __future__ import annotations
+
+from torch import fx
+from zppc.passes.overlap import is_param_gather, on_gloo
+from zppc.passes.zero import find_collectives
+from zppc.runtime.topology import reduction_twin
+
+
+def reduction_groups_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    for m in find_collectives(gm.graph):
+        twin = reduction_twin(m.group_name)
+        if twin is None or is_param_gather(m) or not on_gloo(m.group_name):
+            continue
+        m.record.update_arg(len(m.record.args) - 1, twin)
+        m.issue.update_arg(len(m.issue.args) - 1, twin)
+    return gm
