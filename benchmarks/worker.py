@@ -43,6 +43,9 @@ CONFIGS: dict[str, tuple[str, dict | None]] = {
         "zppc",
         {"strategy": "zero3", "disable_passes": ("reduction_groups",)},
     ),
+    # World all-gathers as gloo's ring (the gather_hops pass off) instead of
+    # two hops, across the nodes then inside them.
+    "zppc-zero3-ring-gather": ("zppc", {"strategy": "zero3", "disable_passes": ("gather_hops",)}),
     # Weights kept gathered from forward to backward (what DeepSpeed's
     # prefetcher does for a model this small; FSDP2's reshard_after_forward=False).
     "zppc-zero3-keep": ("zppc", {"strategy": "zero3", "keep_gathered_bytes": 2**30}),

@@ -34,6 +34,7 @@ PASS_NAMES = (
     "reduce_scatter",
     "sync_buffers",
     "reduction_groups",
+    "gather_hops",
     "overlap",
 )
 
@@ -152,6 +153,7 @@ def build_passes(config) -> list[GraphPass]:
     """The ordered pass list for `config`."""
     from zppc.passes.bucket import bucket_pass
     from zppc.passes.dedupe import dedupe_unshard_pass
+    from zppc.passes.gather_hops import gather_hops_pass
     from zppc.passes.osp import osp_pass
     from zppc.passes.overlap import overlap_pass
     from zppc.passes.qgz import qgz_pass
@@ -180,6 +182,7 @@ def build_passes(config) -> list[GraphPass]:
     if config.buffer_sync is not None:
         passes.append(GraphPass("sync_buffers", sync_buffers_pass, ("forward",)))
     passes.append(GraphPass("reduction_groups", reduction_groups_pass, ("backward",)))
+    passes.append(GraphPass("gather_hops", gather_hops_pass, ("forward", "backward")))
     passes.append(GraphPass("overlap", overlap_pass, ("forward", "backward")))
     return [p for p in passes if p.name not in config.disable_passes]
 

@@ -16,7 +16,13 @@ from torch import Tensor
 from zppc.runtime import compat
 from zppc.runtime.failures import waiting_on
 from zppc.runtime.ledger import record
-from zppc.runtime.topology import group_ranks, group_size
+from zppc.runtime.topology import (
+    gather_hops,
+    gathers_over_hops,
+    group_ranks,
+    group_size,
+    world_epoch,
+)
 
 _GROUP_FROM_NAME = dist.distributed_c10d._resolve_process_group
 
@@ -102,11 +108,67 @@ def all_gather_in_place(shard: Tensor, group_name: str) -> Tensor:
     The slice is chosen at run time, so every rank's graph is the same."""
     group = _GROUP_FROM_NAME(group_name)
     out = shard.new_empty(shard.numel() * group.size())
+    if gathers_over_hops(group_name):
+        _two_hop_gather(out, shard.reshape(-1), group_name)
+        return out
     mine = out.narrow(0, dist.get_rank(group) * shard.numel(), shard.numel())
     mine.copy_(shard.reshape(-1))
     work = compat.all_gather_single(out, mine, group=group, async_op=True)
     torch._C._distributed_c10d._register_work(out, work)
     return out
+
+
+def _two_hop_gather(out: Tensor, shard: Tensor, group_name: str) -> None:
+    """`out` = every rank's shard in rank order, in two hops (a hop world,
+    `zppc.runtime.topology.GatherHops`): the N shards of this rank's local
+    index across the nodes, then those pieces inside the node (local-major),
+    transposed into place. Asynchronous: the second hop is issued from a
+    completion callback once the first hop is done and the previous gather's
+    second hop was issued (so every rank issues them in the same order), and
+    `out`'s registered work completes with the transpose."""
+    hops = gather_hops(group_name)
+    nodes, per_node, n = hops.cross_node.size(), hops.intra_node.size(), shard.numel()
+    across = shard.new_empty(nodes * n)
+    local_major = shard.new_empty(per_node * nodes * n)
+    issued: torch.futures.Future = torch.futures.Future()
+    done: torch.futures.Future = torch.futures.Future()
+    key = (world_epoch(), group_name)
+    previous = _SECOND_HOP_ISSUED.get(key)
+    _SECOND_HOP_ISSUED[key] = issued
+
+    def second_hop(ready: torch.futures.Future) -> None:
+        try:
+            for future in ready.value():
+                future.wait()  # raises the first hop's (or the previous gather's) failure
+            work = compat.all_gather_single(
+                local_major, across, group=hops.intra_node, async_op=True
+            )
+        except Exception as exc:  # noqa: BLE001  (handed to the waiting thread)
+            issued.set_exception(exc)
+            done.set_exception(exc)
+            return
+        issued.set_result(None)
+        work.get_future().then(transpose_into_place)
+
+    def transpose_into_place(second: torch.futures.Future) -> None:
+        try:
+            second.wait()
+            out.view(nodes, per_node, n).copy_(local_major.view(per_node, nodes, n).transpose(0, 1))
+            done.set_result([out])
+        except Exception as exc:  # noqa: BLE001
+            done.set_exception(exc)
+
+    first = compat.all_gather_single(across, shard, group=hops.cross_node, async_op=True)
+    waits_for = [first.get_future()] + ([previous] if previous is not None else [])
+    torch.futures.collect_all(waits_for).then(second_hop)
+    torch._C._distributed_c10d._register_work(
+        out, torch._C._distributed_c10d._create_work_from_future(done)
+    )
+
+
+# (world epoch, hop world name) -> a future completed once the latest
+# gather's second hop is issued.
+_SECOND_HOP_ISSUED: dict[tuple[int, str], torch.futures.Future] = {}
 
 
 @all_gather_in_place.register_fake

@@ -20,7 +20,7 @@ import threading
 from dataclasses import dataclass, field
 from functools import cache
 
-from zppc.runtime.topology import group_ranks, node_size_of, world_epoch
+from zppc.runtime.topology import gathers_over_hops, group_ranks, node_size_of, world_epoch
 
 
 @dataclass
@@ -102,8 +102,11 @@ def node_link_bytes(kind: str, group_name: str, rank: int, bytes_per_peer: int) 
     same collective, on this group or on congruent ones), under the algorithms
     gloo and NCCL run: a ring over the group's ranks in order for all-gather,
     reduce-scatter, all-reduce and broadcast (from the first rank), a direct
-    exchange for all-to-all. This is the per-node accounting of the ZeRO++
-    paper's 3M -> 0.75M; the ledger's bytes are logical, per rank."""
+    exchange for all-to-all; an all-gather over a hop world (gloo, several
+    nodes of several ranks) runs in two hops, across the nodes then inside
+    them: each rank of the node brings in the N - 1 shards of its local index.
+    This is the per-node accounting of the ZeRO++ paper's 3M -> 0.75M; the
+    ledger's bytes are logical, per rank."""
     import torch.distributed as dist
 
     node_size = node_size_of(group_name) or dist.get_world_size()
@@ -111,6 +114,8 @@ def node_link_bytes(kind: str, group_name: str, rank: int, bytes_per_peer: int) 
     here = [r for r in ranks if r // node_size == rank // node_size]
     if len(here) == len(ranks):
         return 0
+    if kind == "all_gather" and gathers_over_hops(group_name):
+        return len(here) * (len(ranks) // node_size - 1) * bytes_per_peer
 
     def inbound(member: int) -> int:
         if kind == "all_to_all":

@@ -136,6 +136,8 @@ def setup_groups(
         _NODE_SIZE.setdefault((world_epoch(), name), topology.node_size)
     if dist.get_backend() in TWINNED_BACKENDS:
         alive += _create_twins(topology, (world, intra, cross), timeout)
+    if dist.get_backend() in TWINNED_BACKENDS and gathers_in_two_hops(topology):
+        alive += _create_gather_hops(topology, world, timeout)
     _GROUPS[key] = (alive, groups)
     return groups
 
@@ -167,6 +169,63 @@ def _create_twins(
         _TWINS[(world_epoch(), original.group_name)] = twin.group_name
         _NODE_SIZE[(world_epoch(), twin.group_name)] = topology.node_size
     return twins
+
+
+def gathers_in_two_hops(topology: Topology) -> bool:
+    """Whether an all-gather over the world brings fewer bytes into each node
+    as two hops, across the nodes and then inside each, than as gloo's ring:
+    D (N - 1) chunks against N D - 1 for N nodes of D ranks (2 x 2: 2 against
+    3; 2 x 8: 8 against 15), so with several nodes of several ranks, laid out
+    evenly."""
+    nodes, per_node = topology.num_nodes, topology.node_size
+    return nodes > 1 and per_node > 1 and topology.world_size == nodes * per_node
+
+
+@dataclass(frozen=True)
+class GatherHops:
+    """The groups of a two-hop world all-gather: `world` names it in graphs
+    (`zppc.passes.gather_hops` moves gathers there), and on `cross_node` then
+    `intra_node` it runs (`zppc.runtime.collectives.all_gather_in_place`)."""
+
+    world: str
+    cross_node: dist.ProcessGroup
+    intra_node: dist.ProcessGroup
+
+
+# (world epoch, world group name) -> its two-hop gather groups; also keyed by
+# the hop world's own name, which the runtime and the ledger look up.
+_GATHER_HOPS: dict[tuple[int, str], GatherHops] = {}
+
+
+def _create_gather_hops(
+    topology: Topology, world: dist.ProcessGroup, timeout: timedelta | None
+) -> list[dist.ProcessGroup]:
+    """The groups a two-hop all-gather over the world runs on (collective, in
+    this order on every rank): a world group that names it and its own cross-
+    and intra-node groups, on which nothing else runs, because each second hop
+    is issued from a completion callback, in the order the gathers were issued
+    (`zppc.runtime.collectives._two_hop_gather`)."""
+    hop_world = dist.new_group(list(range(topology.world_size)), timeout=timeout)
+    cross, _ = dist.new_subgroups_by_enumeration(topology.cross_node_groups(), timeout=timeout)
+    intra, _ = dist.new_subgroups_by_enumeration(topology.intra_node_groups(), timeout=timeout)
+    hops = GatherHops(hop_world.group_name, cross, intra)
+    _GATHER_HOPS[(world_epoch(), world.group_name)] = hops
+    _GATHER_HOPS[(world_epoch(), hop_world.group_name)] = hops
+    for group in (hop_world, cross, intra):
+        _NODE_SIZE[(world_epoch(), group.group_name)] = topology.node_size
+    return [hop_world, cross, intra]
+
+
+def gather_hops(group_name: str) -> GatherHops | None:
+    """The two-hop gather groups of a world group, or of their hop world; None
+    where a group has none (NCCL, one node, one rank per node)."""
+    return _GATHER_HOPS.get((world_epoch(), group_name))
+
+
+def gathers_over_hops(group_name: str) -> bool:
+    """Whether an all-gather over this group runs in two hops: it is a hop world."""
+    hops = gather_hops(group_name)
+    return hops is not None and hops.world == group_name
 
 
 def reduction_twin(group_name: str) -> str | None:

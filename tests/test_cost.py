@@ -108,13 +108,22 @@ def test_a_shared_node_link_and_gloo_reduce_scatter_cost_their_bytes(capsys):
         assert c["predicted_seconds"] == pytest.approx(per_rank)
         assert rows["node", "nccl"][i]["predicted_seconds"] == pytest.approx(per_node)
         assert rows["rank", "gloo"][i]["predicted_seconds"] == pytest.approx(factor * per_rank)
-        assert rows["node", "gloo"][i]["predicted_seconds"] == pytest.approx(factor * per_node)
-    # The bytes are the same plan's; only their cost differs.
-    totals = [
-        {k: v for k, v in p["totals"].items() if "seconds" not in k and k != "hidden_fraction"}
-        for p in plans.values()
-    ]
-    assert all(t == totals[0] for t in totals)
+        hops = rows["node", "gloo"][i]
+        per_node_gloo = hops["intra_node_bytes"] / 1e9 + hops["node_link_bytes"] / 1e7
+        assert hops["predicted_seconds"] == pytest.approx(factor * per_node_gloo)
+        # gloo gathers in two hops: 4 shards into each node (2 nodes of 4), not a ring's 7.
+        shards = (4, 7) if c["kind"] == "all_gather" else (1, 1)
+        assert hops["node_link_bytes"] * shards[1] == c["node_link_bytes"] * shards[0]
+    # The bytes are the same plan's (but the node link's, per backend); only their cost differs.
+    totals = {
+        key: {k: v for k, v in p["totals"].items() if "seconds" not in k and k != "hidden_fraction"}
+        for key, p in plans.items()
+    }
+    for backend in ("nccl", "gloo"):
+        assert totals["rank", backend] == totals["node", backend]
+    link = "node_link_bytes"
+    assert {**totals["rank", "gloo"], link: 0} == {**totals["rank", "nccl"], link: 0}
+    assert totals["rank", "gloo"][link] < totals["rank", "nccl"][link]
 
 
 def _plan(capsys, *flags) -> dict:

@@ -142,12 +142,13 @@ def test_gloo_reductions_run_on_a_group_of_their_own(fake_rank, backend):
     """On gloo a group runs one collective in flight, so the backward's next
     gather waited for the reduction before it: reductions take the group's
     twin there, and a gather goes out while a reduction is still in flight.
-    NCCL keeps one group."""
+    NCCL keeps one group. (Gathers stay on the world group here: the
+    gather_hops pass, off, would move them to a group of their own.)"""
     from zppc.passes import planning
     from zppc.runtime.topology import reduction_twin
 
     with planning("torch", backend):
-        _, backward = final_graphs()
+        _, backward = final_graphs(disable_passes=("gather_hops",))
     pos = positions(backward)
     matches = find_collectives(backward.graph)
     gathers = [m for m in matches if m.wait.meta.get(PARAM_GATHER)]
@@ -469,3 +470,17 @@ def test_gloo_groups_have_one_collective_in_flight():
         assert most and max(most.values()) == 1, most
         # Reductions on their groups' twins: the backward's gathers go out beside them.
         assert beside_a_reduction >= 2
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_two_hop_gathers_equal_gloo_all_gather():
+    """The hop world's all-gather (across the nodes, then inside them) returns
+    what gloo's ring returns, for odd sizes and every dtype, with several in
+    flight; two shards enter each node per shard gathered, not three."""
+    from spawn import run_ranks
+    from workers import two_hop_gathers
+
+    for differ, link_shards in run_ranks(two_hop_gathers, 4, timeout=540):
+        assert differ == []
+        assert link_shards == 2

@@ -176,6 +176,7 @@ def test_pass_list_and_disable():
         "reduce_scatter",
         "sync_buffers",
         "reduction_groups",
+        "gather_hops",
         "overlap",
     ]
     config = zppc.Config(qwz="int8", qgz="int4", buffer_sync=None, reduce_scatter="native")
@@ -187,9 +188,17 @@ def test_pass_list_and_disable():
         "bucket",
         "qgz",
         "reduction_groups",
+        "gather_hops",
         "overlap",
     ]
-    disabled = ("bucket", "reduce_scatter", "sync_buffers", "reduction_groups", "overlap")
+    disabled = (
+        "bucket",
+        "reduce_scatter",
+        "sync_buffers",
+        "reduction_groups",
+        "gather_hops",
+        "overlap",
+    )
     config = zppc.Config(disable_passes=disabled)
     assert [p.name for p in build_passes(config)] == ["dedupe_unshard", "zero"]
 
@@ -204,6 +213,7 @@ def test_run_passes_records_every_pass(fake_pg):
         "bucket",
         "reduce_scatter",
         "reduction_groups",
+        "gather_hops",
         "overlap",
     ]
     assert ctx.records[1].removed == {"unshard.default": 1, "reduce_grad.default": 1}

@@ -123,3 +123,17 @@ def test_schedule_gloo_plans_all_to_alls_with_the_same_logical_bytes(fake_world,
     for ring, direct in zip(rs, a2a, strict=True):
         assert ring["node_link_bytes"] == 3 * ring["bytes_per_peer"]
         assert direct["node_link_bytes"] == 4 * direct["bytes_per_peer"]
+    # Gathers: a ring's 3 shards into each node on NCCL, two hops' 2 on gloo
+    # (across the nodes, then inside them), on a group of their own.
+    gathers = {
+        b: [c for c in p["collectives"] if c["kind"] == "all_gather"] for b, p in plans.items()
+    }
+    assert len(gathers["gloo"]) == len(gathers["nccl"]) >= 2
+    for ring, hops in zip(gathers["nccl"], gathers["gloo"], strict=True):
+        assert ring["bytes_per_peer"] == hops["bytes_per_peer"]
+        assert ring["node_link_bytes"] == 3 * ring["bytes_per_peer"]
+        assert hops["node_link_bytes"] == 2 * hops["bytes_per_peer"]
+    assert len({c["group_name"] for c in gathers["gloo"]}) == 1
+    assert {c["group_name"] for c in gathers["gloo"]}.isdisjoint(
+        c["group_name"] for c in plans["gloo"]["collectives"] if c["kind"] != "all_gather"
+    )

@@ -526,3 +526,28 @@ def in_flight_per_group(rank, world):
                 if m.wait.meta.get(PARAM_GATHER):
                     beside += any(not o.wait.meta.get(PARAM_GATHER) for o in in_flight)
     return most, beside
+
+
+def two_hop_gathers(rank, world):
+    """Every (size, dtype) case gathered over the hop world of a 2 x 2 topology
+    (issued all at once, then waited in reverse: the second hops must still
+    meet in order), each beside gloo's own all-gather over the world. Returns
+    the cases that differ, and the ledger's node-link count of one shard."""
+    import torch.distributed._functional_collectives as funcol
+    from zppc.runtime.ledger import node_link_bytes
+    from zppc.runtime.topology import Topology, gather_hops, setup_groups
+
+    groups = setup_groups(Topology(world, 2))
+    hops = gather_hops(groups.world)
+    cases = [(n, dtype) for n in (1, 5, 1001) for dtype in ("float32", "bfloat16", "float16")]
+    torch.manual_seed(rank)
+    shards = [torch.randn(n).to(getattr(torch, dtype)) for n, dtype in cases]
+    issued = [torch.ops.zppc.all_gather_in_place(s, hops.world) for s in shards]
+    gathered = [funcol.wait_tensor(t) for t in reversed(issued)][::-1]
+    differ = []
+    for case, shard, got in zip(cases, shards, gathered, strict=True):
+        expected = shard.new_empty(shard.numel() * world)
+        dist.all_gather_into_tensor(expected, shard, group=dist.group.WORLD)
+        if not torch.equal(got, expected):
+            differ.append(case)
+    return differ, node_link_bytes("all_gather", hops.world, rank, 1)
