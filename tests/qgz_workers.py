@@ -60,8 +60,13 @@ def hop_order(rank, world, node_size, bucket_bytes):
     step = torch.compile(net, backend="zppc")
     x, y = net.batch(0)
     step(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+    from zppc.runtime.topology import reduction_twin
+
     groups = net._zppc_state.groups
-    where = {groups.intra_node: "intra", groups.cross_node: "inter"}
+    # On gloo the hops run on the groups' twins (the reduction_groups pass).
+    where = {}
+    for group, hop in ((groups.intra_node, "intra"), (groups.cross_node, "inter")):
+        where[group] = where[reduction_twin(group)] = hop
     a2a = torch.ops._c10d_functional.all_to_all_single.default
     wait = torch.ops._c10d_functional.wait_tensor.default
     events = []
