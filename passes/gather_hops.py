@@ -33,6 +33,5 @@ def gather_hops_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         hops = gather_hops(m.group_name)
         if m.kind != "all_gather" or hops is None or not on_gloo(m.group_name):
             continue
-        m.record.update_arg(len(m.record.args) - 1, hops.world)
-        m.issue.update_arg(len(m.issue.args) - 1, hops.world)
+        m.move_to_group(hops.world)
     return gm

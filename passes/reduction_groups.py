@@ -33,6 +33,5 @@ def reduction_groups_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         twin = reduction_twin(m.group_name)
         if twin is None or is_param_gather(m) or not on_gloo(m.group_name):
             continue
-        m.record.update_arg(len(m.record.args) - 1, twin)
-        m.issue.update_arg(len(m.issue.args) - 1, twin)
+        m.move_to_group(twin)
     return gm

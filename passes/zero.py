@@ -114,6 +114,12 @@ class CollectiveMatch:
     def dtype(self) -> torch.dtype:
         return self.input.meta["val"].dtype
 
+    def move_to_group(self, group_name: str) -> None:
+        """Run the collective, and count it, on another group over the same ranks
+        (the group's name is the last argument of the ledger hook and of the issue)."""
+        self.record.update_arg(len(self.record.args) - 1, group_name)
+        self.issue.update_arg(len(self.issue.args) - 1, group_name)
+
     def replace_with(self, result: fx.Node) -> None:
         """Route every user of the collective's result to `result`; erase the three."""
         self.wait.replace_all_uses_with(result)

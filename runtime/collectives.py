@@ -17,10 +17,10 @@ from zppc.runtime import compat
 from zppc.runtime.failures import waiting_on
 from zppc.runtime.ledger import record
 from zppc.runtime.topology import (
-    gather_hops,
-    gathers_over_hops,
+    GatherHops,
     group_ranks,
     group_size,
+    two_hop_gather_over,
     world_epoch,
 )
 
@@ -108,8 +108,8 @@ def all_gather_in_place(shard: Tensor, group_name: str) -> Tensor:
     The slice is chosen at run time, so every rank's graph is the same."""
     group = _GROUP_FROM_NAME(group_name)
     out = shard.new_empty(shard.numel() * group.size())
-    if gathers_over_hops(group_name):
-        _two_hop_gather(out, shard.reshape(-1), group_name)
+    if (hops := two_hop_gather_over(group_name)) is not None:
+        _two_hop_gather(out, shard.reshape(-1), hops)
         return out
     mine = out.narrow(0, dist.get_rank(group) * shard.numel(), shard.numel())
     mine.copy_(shard.reshape(-1))
@@ -118,7 +118,7 @@ def all_gather_in_place(shard: Tensor, group_name: str) -> Tensor:
     return out
 
 
-def _two_hop_gather(out: Tensor, shard: Tensor, group_name: str) -> None:
+def _two_hop_gather(out: Tensor, shard: Tensor, hops: GatherHops) -> None:
     """`out` = every rank's shard in rank order, in two hops (a hop world,
     `zppc.runtime.topology.GatherHops`): the N shards of this rank's local
     index across the nodes, then those pieces inside the node (local-major),
@@ -126,13 +126,12 @@ def _two_hop_gather(out: Tensor, shard: Tensor, group_name: str) -> None:
     completion callback once the first hop is done and the previous gather's
     second hop was issued (so every rank issues them in the same order), and
     `out`'s registered work completes with the transpose."""
-    hops = gather_hops(group_name)
     nodes, per_node, n = hops.cross_node.size(), hops.intra_node.size(), shard.numel()
     across = shard.new_empty(nodes * n)
     local_major = shard.new_empty(per_node * nodes * n)
     issued: torch.futures.Future = torch.futures.Future()
     done: torch.futures.Future = torch.futures.Future()
-    key = (world_epoch(), group_name)
+    key = (world_epoch(), hops.world)
     previous = _SECOND_HOP_ISSUED.get(key)
     _SECOND_HOP_ISSUED[key] = issued
 

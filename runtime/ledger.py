@@ -20,7 +20,7 @@ import threading
 from dataclasses import dataclass, field
 from functools import cache
 
-from zppc.runtime.topology import gathers_over_hops, group_ranks, node_size_of, world_epoch
+from zppc.runtime.topology import group_ranks, node_size_of, two_hop_gather_over, world_epoch
 
 
 @dataclass
@@ -114,7 +114,7 @@ def node_link_bytes(kind: str, group_name: str, rank: int, bytes_per_peer: int) 
     here = [r for r in ranks if r // node_size == rank // node_size]
     if len(here) == len(ranks):
         return 0
-    if kind == "all_gather" and gathers_over_hops(group_name):
+    if kind == "all_gather" and two_hop_gather_over(group_name) is not None:
         return len(here) * (len(ranks) // node_size - 1) * bytes_per_peer
 
     def inbound(member: int) -> int:

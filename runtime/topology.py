@@ -136,8 +136,8 @@ def setup_groups(
         _NODE_SIZE.setdefault((world_epoch(), name), topology.node_size)
     if dist.get_backend() in TWINNED_BACKENDS:
         alive += _create_twins(topology, (world, intra, cross), timeout)
-    if dist.get_backend() in TWINNED_BACKENDS and gathers_in_two_hops(topology):
-        alive += _create_gather_hops(topology, world, timeout)
+        if gathers_in_two_hops(topology):
+            alive += _create_gather_hops(topology, world, timeout)
     _GROUPS[key] = (alive, groups)
     return groups
 
@@ -157,18 +157,26 @@ def _create_twins(
     and cross-node groups (collective, in that order on every rank): the
     gradient reductions run on it, so that on gloo a parameter gather is never
     issued behind a reduction still in flight (`zppc.passes.reduction_groups`)."""
-    world, intra, cross = originals
-    twins = [dist.new_group(list(range(topology.world_size)), timeout=timeout)]
-    twins.append(
-        dist.new_subgroups_by_enumeration(topology.intra_node_groups(), timeout=timeout)[0]
-    )
-    twins.append(
-        dist.new_subgroups_by_enumeration(topology.cross_node_groups(), timeout=timeout)[0]
-    )
+    twins = _new_world_intra_cross(topology, timeout)
     for original, twin in zip(originals, twins, strict=True):
         _TWINS[(world_epoch(), original.group_name)] = twin.group_name
-        _NODE_SIZE[(world_epoch(), twin.group_name)] = topology.node_size
     return twins
+
+
+def _new_world_intra_cross(
+    topology: Topology, timeout: timedelta | None
+) -> list[dist.ProcessGroup]:
+    """New groups over the world, this rank's node and this rank's local index
+    across the nodes (collective, in that order on every rank), each known to
+    carry the topology's node size."""
+    groups = [
+        dist.new_group(list(range(topology.world_size)), timeout=timeout),
+        dist.new_subgroups_by_enumeration(topology.intra_node_groups(), timeout=timeout)[0],
+        dist.new_subgroups_by_enumeration(topology.cross_node_groups(), timeout=timeout)[0],
+    ]
+    for group in groups:
+        _NODE_SIZE[(world_epoch(), group.group_name)] = topology.node_size
+    return groups
 
 
 def gathers_in_two_hops(topology: Topology) -> bool:
@@ -201,19 +209,15 @@ def _create_gather_hops(
     topology: Topology, world: dist.ProcessGroup, timeout: timedelta | None
 ) -> list[dist.ProcessGroup]:
     """The groups a two-hop all-gather over the world runs on (collective, in
-    this order on every rank): a world group that names it and its own cross-
-    and intra-node groups, on which nothing else runs, because each second hop
+    this order on every rank): a world group that names it and its own intra-
+    and cross-node groups, on which nothing else runs, because each second hop
     is issued from a completion callback, in the order the gathers were issued
     (`zppc.runtime.collectives._two_hop_gather`)."""
-    hop_world = dist.new_group(list(range(topology.world_size)), timeout=timeout)
-    cross, _ = dist.new_subgroups_by_enumeration(topology.cross_node_groups(), timeout=timeout)
-    intra, _ = dist.new_subgroups_by_enumeration(topology.intra_node_groups(), timeout=timeout)
+    hop_world, intra, cross = groups = _new_world_intra_cross(topology, timeout)
     hops = GatherHops(hop_world.group_name, cross, intra)
     _GATHER_HOPS[(world_epoch(), world.group_name)] = hops
     _GATHER_HOPS[(world_epoch(), hop_world.group_name)] = hops
-    for group in (hop_world, cross, intra):
-        _NODE_SIZE[(world_epoch(), group.group_name)] = topology.node_size
-    return [hop_world, cross, intra]
+    return groups
 
 
 def gather_hops(group_name: str) -> GatherHops | None:
@@ -222,10 +226,11 @@ def gather_hops(group_name: str) -> GatherHops | None:
     return _GATHER_HOPS.get((world_epoch(), group_name))
 
 
-def gathers_over_hops(group_name: str) -> bool:
-    """Whether an all-gather over this group runs in two hops: it is a hop world."""
+def two_hop_gather_over(group_name: str) -> GatherHops | None:
+    """The groups an all-gather over this group runs on in two hops, where it
+    is a hop world; None where it gathers in one collective."""
     hops = gather_hops(group_name)
-    return hops is not None and hops.world == group_name
+    return hops if hops is not None and hops.world == group_name else None
 
 
 def reduction_twin(group_name: str) -> str | None:
