@@ -64,6 +64,8 @@ def schedule_flags(config: str) -> list[str] | None:
             flags += ["--overlap", "cost"]
         elif key == "keep_gathered_bytes":
             flags += ["--keep-gathered-mb", str(value / 2**20)]
+        elif key == "keep_last_block":
+            flags += [] if value else ["--no-keep-last-block"]
         elif key in _FLAGS:
             flags += [_FLAGS[key], str(value)]
         else:
@@ -91,6 +93,8 @@ def plan(run_args: dict, config: str, inter_bits: float, rates: dict) -> dict:
         flags += ["--bucket-mb", run_args["bucket_mb"]]
     elif run_args.get("bucket_default") != "block":
         flags += ["--bucket-mb", "25"]  # the default before it followed the model's block
+    if run_args.get("zero3_default_keeps") != "last_block":
+        flags += ["--no-keep-last-block"]  # what zero3 ran before Config.keep_last_block
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "plan.json"
         with contextlib.redirect_stdout(io.StringIO()):

@@ -165,6 +165,8 @@ def main(argv=None) -> int:
     report = {"args": {k: str(v) for k, v in vars(args).items()}, "links": []}
     # Runs recorded before Config.bucket_bytes=None followed the model's block ran 25 MiB.
     report["args"]["bucket_default"] = "block"
+    # Runs recorded before Config.keep_last_block re-gathered every weight in backward.
+    report["args"]["zero3_default_keeps"] = "last_block"
     # One thread's compute rates, for benchmarks/predict.py's cost model.
     report["machine_rates"] = args.machine_rates = measure_rates()
     for rate in args.inter_bw.split(","):

@@ -46,6 +46,9 @@ CONFIGS: dict[str, tuple[str, dict | None]] = {
     # World all-gathers as gloo's ring (the gather_hops pass off) instead of
     # two hops, across the nodes then inside them.
     "zppc-zero3-ring-gather": ("zppc", {"strategy": "zero3", "disable_passes": ("gather_hops",)}),
+    # The weights the forward reads last re-gathered in backward
+    # (Config.keep_last_block off): the backward starts on a gather.
+    "zppc-zero3-regather-last": ("zppc", {"strategy": "zero3", "keep_last_block": False}),
     # Weights kept gathered from forward to backward (what DeepSpeed's
     # prefetcher does for a model this small; FSDP2's reshard_after_forward=False).
     "zppc-zero3-keep": ("zppc", {"strategy": "zero3", "keep_gathered_bytes": 2**30}),

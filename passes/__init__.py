@@ -148,6 +148,16 @@ class PassContext:
             return self.state.block_bucket_bytes
         return MAX_BUCKET_BYTES
 
+    @property
+    def kept_gathered_bytes(self) -> int:
+        """Gathered bytes zero3 keeps from forward to backward:
+        `Config.keep_gathered_bytes`, or one repeated block's, no more than a
+        bucket (`Config.keep_last_block`), where that is larger."""
+        config = self.config
+        if config.strategy != "zero3" or not config.keep_last_block or self.state is None:
+            return config.keep_gathered_bytes
+        return max(config.keep_gathered_bytes, min(self.state.block_bytes, self.bucket_bytes))
+
 
 def build_passes(config) -> list[GraphPass]:
     """The ordered pass list for `config`."""

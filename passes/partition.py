@@ -72,18 +72,19 @@ def gathered_bytes(unshard: fx.Node) -> int:
     return math.prod(unshard.args[1]) * dtype.itemsize
 
 
-def weights_to_keep(needed: list[fx.Node], budget: int) -> set[fx.Node]:
-    """The zero3 gathers (of those the backward `needed`, in forward order)
-    whose full weights the forward saves for backward instead of re-gathering:
-    the last gathered in forward first (the backward needs them first, before
-    any compute could hide their re-gather), while their gathered bytes fit in
-    `budget`."""
-    kept: set[fx.Node] = set()
+def weights_to_keep(needed: list[fx.Node], budget: int) -> list[fx.Node]:
+    """The zero3 gathers (of those the backward `needed`, in the order of their
+    last forward use) whose full weights the forward saves for backward instead
+    of re-gathering: the last read in forward first (the backward needs them
+    first, before any compute could hide their re-gather; a tied output head
+    reads the embedding gathered first), while their gathered bytes fit in
+    `budget`. Returned last read first."""
+    kept: list[fx.Node] = []
     for node in reversed(needed):
         size = gathered_bytes(node)
         if size > budget:
             break
-        kept.add(node)
+        kept.append(node)
         budget -= size
     return kept
 
@@ -113,7 +114,8 @@ def regather_in_backward(
     the gathered weight over the node right after the gather, and the copy
     gathers that inside the node: the partition saves the secondary shard.
     Weights chosen by `weights_to_keep` within `keep_gathered_bytes` are left
-    alone (the forward saves them); their (shape, bytes) go into `kept`.
+    alone (the forward saves them); their (shape, bytes), last read first, go
+    into `kept`.
     """
     graph = joint.graph
     fwd = forward_nodes(graph, num_fwd_outputs)
@@ -124,8 +126,16 @@ def regather_in_backward(
         for inp in node.all_input_nodes
         if inp in fwd and _regathers(inp)
     ]
-    needed = list(
-        dict.fromkeys(sorted({_root_gather(inp) for _, inp in uses}, key=order_of(graph)))
+    position = order_of(graph)
+    last_forward_use: dict[fx.Node, int] = {}
+    for node in graph.nodes:
+        if node in fwd and node.op == "call_function" and not _regathers(node):
+            for inp in node.all_input_nodes:
+                if _regathers(inp):
+                    last_forward_use[_root_gather(inp)] = position(node)
+    needed = sorted(
+        {_root_gather(inp) for _, inp in uses},
+        key=lambda g: (last_forward_use.get(g, position(g)), position(g)),
     )
     keep = weights_to_keep(needed, keep_gathered_bytes)
     if kept is not None:
@@ -157,8 +167,9 @@ def regather_in_backward(
             copies[node] = new
         return copies[node]
 
+    kept_gathers = set(keep)
     for node, inp in uses:
-        if _root_gather(inp) not in keep:
+        if _root_gather(inp) not in kept_gathers:
             node.replace_input_with(inp, copy_chain(inp, node))
     graph.lint()
     return sum(1 for n in copies if n.target == UNSHARD)

@@ -158,6 +158,7 @@ FLAG_CHANGES = [
     (("--bucket-mb", "0.01"), ("--prefetch", "0")),
     (("--bucket-mb", "0.01", "--prefetch", "2", "--tflops", "0.01"), ("--overlap", "cost")),
     ((), ("--keep-gathered-mb", "1")),
+    ((), ("--no-keep-last-block",)),
     # The cost model's compute: memory-bound ops, and the CPU's quantization ops.
     ((), ("--memory-bw", "1GB/s")),
     (("--qwz", "int8", "--memory-bw", "1GB/s"), ("--kernels", "torch")),

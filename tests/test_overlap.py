@@ -389,35 +389,74 @@ def gathered_buffers_alive(code: str) -> int:
     return peak
 
 
-@pytest.mark.parametrize("fake_rank", [1], indirect=True)
-def test_keep_gathered_saves_the_last_weights_instead_of_regathering(fake_rank):
-    def backward_gathered_elements(**overrides):
-        torch._dynamo.reset()
-        forward, backward = final_graphs(**overrides)
-        gathers = [m for m in find_collectives(backward.graph) if m.kind == "all_gather"]
-        saved = [n.meta["val"] for n in forward.graph.find_nodes(op="output")[0].args[0][1:]]
-        return sum(m.wait.meta["val"].numel() for m in gathers), saved
-
-    regathered, saved = backward_gathered_elements()
-    assert not [v for v in saved if v.dim() == 2 and v.shape[1] == 256 and v.shape[0] >= 256]
-    budget = 2 * 2**20
-    torch._dynamo.reset()
-    inspection = one_step("gpt-small", keep_gathered_bytes=budget)
-    (record,) = inspection.compiles
-    kept = record.kept_gathered
-    # The last block's weights (the forward's last gathers; the tied embedding,
-    # gathered first, is not among them), within the budget.
-    assert kept and sum(size for _, size in kept) <= budget
-    assert (256, 1024) in {shape for shape, _ in kept}  # the last MLP projection
-    assert (PRESETS["gpt-small"].vocab_size, 256) not in {shape for shape, _ in kept}
-    assert "kept gathered from forward to backward" in str(inspection)
+def backward_gathers(record):
     backward = record.final["backward"]
-    gathers = [m for m in find_collectives(backward.graph) if m.kind == "all_gather"]
-    fewer = sum(m.wait.meta["val"].numel() for m in gathers)
+    return [m for m in find_collectives(backward.graph) if m.kind == "all_gather"]
+
+
+def gathered_elements(gathers):
+    return sum(m.wait.meta["val"].numel() for m in gathers)
+
+
+def assert_kept_is_not_regathered(record, regathered: int):
+    """What is kept is exactly what the backward no longer gathers (padding aside)."""
+    kept = record.kept_gathered
+    fewer = gathered_elements(backward_gathers(record))
     kept_elements = sum(size for _, size in kept) // 4
-    # What is kept is exactly what the backward no longer gathers (padding aside).
     assert regathered - fewer >= kept_elements
     assert regathered - fewer < kept_elements + WORLD * len(kept)
+
+
+@pytest.mark.parametrize("fake_rank", [1], indirect=True)
+def test_keep_gathered_saves_the_last_read_weights_instead_of_regathering(fake_rank):
+    torch._dynamo.reset()
+    (everything,) = one_step("gpt-small", keep_last_block=False).compiles
+    assert not everything.kept_gathered
+    forward = everything.final["forward"]
+    saved = [n.meta["val"] for n in forward.graph.find_nodes(op="output")[0].args[0][1:]]
+    assert not [v for v in saved if v.dim() == 2 and v.shape[1] == 256 and v.shape[0] >= 256]
+    regathered = gathered_elements(backward_gathers(everything))
+
+    budget = 2 * 2**20
+    torch._dynamo.reset()
+    inspection = one_step("gpt-small", keep_gathered_bytes=budget, keep_last_block=False)
+    (record,) = inspection.compiles
+    kept = record.kept_gathered
+    assert kept and sum(size for _, size in kept) <= budget
+    # Last read first: the tied embedding (the output head reads it last,
+    # though the forward gathers it first), the final LayerNorm's weight and
+    # bias, the last block's MLP projection (its bias: the backward does not
+    # read it); its first MLP layer would pass the budget.
+    vocab = PRESETS["gpt-small"].vocab_size
+    assert [shape for shape, _ in kept] == [(vocab, 256), (256,), (256,), (256, 1024)]
+    assert "kept gathered from forward to backward: 4 weights" in str(inspection)
+    assert_kept_is_not_regathered(record, regathered)
+
+
+@pytest.mark.parametrize("fake_rank", [1], indirect=True)
+def test_zero3_keeps_the_last_block_gathered_into_the_backward(fake_rank):
+    """By default (`keep_last_block`) the weights the forward reads last, one
+    block's bytes, are not gathered again: the backward's first gather, with
+    nothing computed before it, is gone, and with it its bytes."""
+    torch._dynamo.reset()
+    (regathering,) = one_step("gpt-small", keep_last_block=False, bucket_bytes=3 * 2**20).compiles
+    torch._dynamo.reset()
+    (record,) = one_step("gpt-small", bucket_bytes=3 * 2**20).compiles
+    kept = record.kept_gathered
+    assert sum(size for _, size in kept) <= 3 * 2**20
+    assert kept[0][0] == (PRESETS["gpt-small"].vocab_size, 256)  # the tied head's weight
+    assert (256, 1024) in {shape for shape, _ in kept}  # and the last block's
+    assert_kept_is_not_regathered(record, gathered_elements(backward_gathers(regathering)))
+    assert len(backward_gathers(record)) == len(backward_gathers(regathering)) - 1
+    # The backward starts on its first op, not on a gather's wait.
+    first_wait = next(n for n in record.final["backward"].graph.nodes if "wait" in str(n.target))
+    computed_before = [
+        n
+        for n in record.final["backward"].graph.nodes
+        if n.op == "call_function" and n.target is torch.ops.aten.mm.default
+    ]
+    order = positions(record.final["backward"])
+    assert computed_before and order[computed_before[0]] < order[first_wait]
 
 
 def test_keep_gathered_is_checked():
@@ -425,6 +464,8 @@ def test_keep_gathered_is_checked():
         zppc.Config(strategy="zero2", keep_gathered_bytes=1)
     with pytest.raises(ValueError, match="keep_gathered_bytes must be an int >= 0"):
         zppc.Config(keep_gathered_bytes=-1)
+    with pytest.raises(ValueError, match="keep_last_block must be True or False, got 1"):
+        zppc.Config(keep_last_block=1)
     with pytest.raises(ValueError, match="prefetch must be an int >= 0"):
         zppc.Config(prefetch=-1)
 

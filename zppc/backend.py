@@ -159,11 +159,12 @@ def _osp_compiled(gm, example_inputs, config: Config, state: DistributedState):
 def _compile_distributed(gm, example_inputs, config: Config, state: DistributedState | None):
     record = CompileRecord(config=config)
     register_compile(record, state)
-    gm = run_passes(gm, PassContext(config, "dynamo", record.passes["dynamo"], state))
+    dynamo = PassContext(config, "dynamo", record.passes["dynamo"], state)
+    gm = run_passes(gm, dynamo)
     hpz_group = state.groups.intra_node if config.hpz else None
     partition_options = dict(
         hpz_group=hpz_group,
-        keep_gathered_bytes=config.keep_gathered_bytes,
+        keep_gathered_bytes=dynamo.kept_gathered_bytes,
         kept=record.kept_gathered,
     )
     buffer_ids = state.buffer_ids() if state is not None else set()

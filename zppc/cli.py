@@ -32,6 +32,7 @@ _COMPARABLE = {
     "prefetch": int,
     "overlap": str,
     "keep_gathered_mb": float,
+    "keep_last_block": lambda v: v.lower() in ("1", "true", "yes", "on"),
 }
 
 
@@ -177,6 +178,7 @@ def _settings(args: argparse.Namespace):
             reduce_scatter=args.reduce_scatter,
             prefetch=args.prefetch,
             keep_gathered_bytes=int(args.keep_gathered_mb * 2**20),
+            keep_last_block=args.keep_last_block,
             lowering="eager",
             param_dtype=param_dtype,
             reduce_dtype=reduce_dtype,
@@ -511,6 +513,13 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=0.0,
         help="zero3: MiB of the last-used weights kept gathered from forward to backward",
+    )
+    s.add_argument(
+        "--no-keep-last-block",
+        dest="keep_last_block",
+        action="store_false",
+        help="zero3: re-gather in backward the weights the forward reads last "
+        "(Config.keep_last_block=False); by default one repeated block's bytes stay gathered",
     )
     s.add_argument(
         "--seq",

@@ -164,6 +164,20 @@ class Config:
     their re-gather. 0 re-gathers every weight. `zppc.inspect` states what was
     kept."""
 
+    keep_last_block: bool = True
+    """zero3 only (the other strategies keep every gathered weight): the
+    weights the forward reads last, up to one repeated block's gathered bytes
+    (the model's largest, as `bucket_bytes=None` measures it; no more than
+    `bucket_bytes`), stay gathered into the backward, which reads them first.
+    Re-gathered, they would be the backward's first collective, with nothing
+    computed before it to hide behind; kept, they cost no memory at the
+    backward's start, where they would be gathered again anyway, only through
+    the loss. FSDP2 keeps its root module's weights so, torchtitan its last
+    block. A model without a repeated block keeps nothing by this (one
+    bucket there can be the whole model). `keep_gathered_bytes` applies
+    instead where it is larger; `zppc.inspect` states what was kept. False
+    re-gathers them."""
+
     reduce_scatter: str = "auto"
     """How a gradient reduce-scatter (zero2/zero3, not qgZ's hops) runs:
     "native", the backend's own reduce-scatter; "all_to_all", an all-to-all of
@@ -258,7 +272,7 @@ class Config:
             )
         _check_choice("osp_split", self.osp_split, OSP_SPLITS)
         _check_choice("reduce_scatter", self.reduce_scatter, REDUCE_SCATTER_ALGORITHMS)
-        for name in ("hpz", "qgz_quantize", "qgz_error_feedback", "osp_lgp"):
+        for name in ("hpz", "qgz_quantize", "qgz_error_feedback", "osp_lgp", "keep_last_block"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.node_size is not None and (
@@ -359,21 +373,24 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
-def block_bucket_bytes(model: nn.Module, param_dtype: torch.dtype | None = None) -> int:
-    """The bucket cap `Config.bucket_bytes=None` stands for: the gathered bytes
-    (in `param_dtype` where given) of the largest of the `repeated_blocks`,
-    kept within [MIN_BUCKET_BYTES, MAX_BUCKET_BYTES]; MAX_BUCKET_BYTES without
-    one.
-
-    Depends on the model's structure and dtypes only, so every rank derives
-    the same cap."""
-    largest = max(
+def repeated_block_bytes(model: nn.Module, param_dtype: torch.dtype | None = None) -> int:
+    """The gathered bytes (in `param_dtype` where given) of the largest of the
+    `repeated_blocks`; 0 without one. Depends on the model's structure and
+    dtypes only, so every rank derives the same."""
+    return max(
         (
             sum(p.numel() * (param_dtype or p.dtype).itemsize for p in block.parameters())
             for block in repeated_blocks(model)
         ),
         default=0,
     )
+
+
+def block_bucket_bytes(model: nn.Module, param_dtype: torch.dtype | None = None) -> int:
+    """The bucket cap `Config.bucket_bytes=None` stands for: `repeated_block_bytes`
+    kept within [MIN_BUCKET_BYTES, MAX_BUCKET_BYTES]; MAX_BUCKET_BYTES without
+    a repeated block."""
+    largest = repeated_block_bytes(model, param_dtype)
     if largest == 0:
         return MAX_BUCKET_BYTES
     return min(max(largest, MIN_BUCKET_BYTES), MAX_BUCKET_BYTES)

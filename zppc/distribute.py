@@ -49,6 +49,7 @@ from zppc.config import (
     Config,
     block_bucket_bytes,
     qualified_name,
+    repeated_block_bytes,
     repeated_blocks,
 )
 from zppc.runtime import compat
@@ -179,6 +180,9 @@ class DistributedState:
     block_bucket_bytes: int = MAX_BUCKET_BYTES
     """The bucket cap `Config.bucket_bytes=None` stands for, derived from the
     model at `distribute` (`zppc.config.block_bucket_bytes`)."""
+    block_bytes: int = 0
+    """Gathered bytes of the model's largest repeated block, 0 without one
+    (`zppc.config.repeated_block_bytes`): what `Config.keep_last_block` keeps."""
     block_classes: frozenset[str] = frozenset()
     """Qualified names of the model's repeated-block classes
     (`zppc.config.repeated_blocks`): default-sized buckets end where one of
@@ -293,6 +297,7 @@ def distribute(model: nn.Module, config: Config | None = None) -> nn.Module:
         mesh=mesh,
         model_ref=weakref.ref(model),
         block_bucket_bytes=block_bucket_bytes(model, config.param_dtype),
+        block_bytes=repeated_block_bytes(model, config.param_dtype),
         block_classes=frozenset(qualified_name(type(m)) for m in repeated_blocks(model)),
     )
     if config.osp is not None:

@@ -112,7 +112,8 @@ class Inspection:
                 lines.append(
                     f"  kept gathered from forward to backward: {len(record.kept_gathered)} "
                     f"weights, {kept / 1e6:.2f} MB (keep_gathered_bytes="
-                    f"{record.config.keep_gathered_bytes})"
+                    f"{record.config.keep_gathered_bytes}, keep_last_block="
+                    f"{record.config.keep_last_block})"
                 )
         if self.rotated:
             replicated = [fqn for fqn, mode in self.modes.items() if mode == "ddp"]
