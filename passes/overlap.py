@@ -19,7 +19,9 @@ unchanged):
    gather k crosses the wire while the compute of gathers k - prefetch .. k - 1
    runs, and at most prefetch + 1 gathered buckets are alive at any point,
    besides resident ones (weights the model reads again later, such as a tied
-   embedding: see `prefetch_gathers`). Given `Config.cost_model`, each gather
+   embedding: see `prefetch_gathers`). In a backward, the weights the forward
+   kept gathered (`Config.keep_last_block`) count as its first bucket. Given
+   `Config.cost_model`, each gather
    is issued instead as late as that bound still leaves it hidden: at the
    last point where the estimated compute before its first use covers its
    estimated transfer, on a link not busy with another collective then (see
@@ -52,6 +54,7 @@ import torch
 from torch import fx
 from zppc.passes.zero import (
     COLLECTIVE_KINDS,
+    KEPT_GATHERED,
     PARAM_GATHER,
     RECORD,
     CollectiveMatch,
@@ -136,22 +139,41 @@ def overlap_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     return gm
 
 
-def weights_last_use(m: CollectiveMatch, order: _Order) -> fx.Node:
-    """The last node that reads a gather's result or a tensor made from it
+@dataclasses.dataclass(frozen=True)
+class StreamedBucket:
+    """Gathered weights that die before the next bucket's do, in the order
+    they are used: a gather's bucket, or (`gather` None) the weights the
+    forward kept gathered for the backward (`Config.keep_last_block`), the
+    backward's first bucket, gathered already."""
+
+    gather: CollectiveMatch | None
+    weights: tuple[fx.Node, ...]
+    """The nodes holding the gathered weights: the gather's wait, or the
+    backward's inputs the forward saved."""
+    last_use: fx.Node
+
+
+def weights_last_use(weights: tuple[fx.Node, ...], order: _Order) -> fx.Node:
+    """The last node that reads gathered `weights` or a tensor made from them
     alone (views, column copies, casts, qwZ's dequantization): after it, the
     gathered bucket is dead. The graph output does not count: what a forward
     saves from a gathered weight (hpZ's secondary shard) is a new, smaller
     tensor."""
-    derived, readers = _weight_readers(m)
-    return max([m.wait, *derived, *readers], key=order.__getitem__)
+    derived, readers = _weight_readers(weights)
+    return max([*weights, *derived, *readers], key=order.__getitem__)
 
 
-def _weight_readers(m: CollectiveMatch) -> tuple[set[fx.Node], set[fx.Node]]:
-    """The tensors made from a gather's result alone (the wait among them),
-    and the nodes that read one of them but also read something else (a
-    matmul, a layer norm's scale): these compute with the weights; what is
+def kept_gathered_inputs(graph: fx.Graph) -> tuple[fx.Node, ...]:
+    """The backward's inputs that are weights the forward kept gathered."""
+    return tuple(n for n in graph.find_nodes(op="placeholder") if n.meta.get(KEPT_GATHERED))
+
+
+def _weight_readers(weights: tuple[fx.Node, ...]) -> tuple[set[fx.Node], set[fx.Node]]:
+    """The tensors made from gathered `weights` alone (the weights among
+    them), and the nodes that read one of them but also read something else
+    (a matmul, a layer norm's scale): these compute with the weights; what is
     made from them alone is views and copies of the bucket."""
-    derived, readers, stack = {m.wait}, set(), [m.wait]
+    derived, readers, stack = set(weights), set(), list(weights)
     while stack:
         for user in stack.pop().users:
             if user.op == "output" or user in derived or user in readers:
@@ -179,19 +201,22 @@ def prefetch_gathers(
     placeholders = graph.find_nodes(op="placeholder")
     if not gathers or not placeholders:
         return
-    streamed = _streamed_gathers(gathers, order)
+    streamed = streamed_buckets(graph, gathers, order)
     program_order = {m: i for i, m in enumerate(gathers)}
-    streaming = {m for m, _ in streamed}
+    streaming = {b.gather for b in streamed}
     resident = [m for m in gathers if m not in streaming]
     cursors: dict[fx.Node, _Cursor] = {}
-    for k, (m, _) in enumerate(streamed):
+    for k, bucket in enumerate(streamed):
+        m = bucket.gather
+        if m is None:
+            continue  # the kept weights: gathered in the forward
         # A resident bucket used before this one is issued before it:
         # collectives on one group run in the order they are issued (gloo's
         # one in flight, NCCL's stream), so a tied embedding issued after the
         # first prefetches held the forward's first compute behind all of them.
         used_earlier = [r for r in resident if program_order[r] < program_order[m]]
         resident = resident[len(used_earlier) :]
-        release = streamed[k - prefetch - 1][1] if k > prefetch else placeholders[-1]
+        release = streamed[k - prefetch - 1].last_use if k > prefetch else placeholders[-1]
         if order[m.issue] <= order[release]:
             continue  # already issued earlier than the memory bound allows
         point = release if timeline is None else timeline.latest_hidden_issue(m, release, order)
@@ -209,19 +234,25 @@ def _place_gather(m: CollectiveMatch, cursor: _Cursor) -> None:
     cursor.place(m.issue)
 
 
-def _streamed_gathers(
-    gathers: list[CollectiveMatch], order: _Order
-) -> list[tuple[CollectiveMatch, fx.Node]]:
+def streamed_buckets(
+    graph: fx.Graph, gathers: list[CollectiveMatch], order: _Order
+) -> list[StreamedBucket]:
     """The gathers in program order with their weights' last use, resident
-    buckets left out (see `prefetch_gathers`). Buckets whose weights die at
-    the same node (a linear's weight and bias, split by a small cap) both
-    stream: counting the first as resident left its gather unprefetched,
-    issued right before its use (gpt-tiny at 30 kB buckets)."""
-    last_uses = [weights_last_use(m, order) for m in gathers]
+    buckets left out (see `prefetch_gathers`), after the weights the forward
+    kept gathered where the graph has any: they count against the bound like
+    the bucket they replace (without them, the backward's second gather went
+    out at its start too: a third block alive, gpt-small at batch 64, +3 MiB
+    at the peak of live tensors). Buckets whose weights die at the same node
+    (a linear's weight and bias, split by a small cap) both stream: counting
+    the first as resident left its gather unprefetched, issued right before
+    its use (gpt-tiny at 30 kB buckets)."""
+    kept = kept_gathered_inputs(graph)
+    buckets = [StreamedBucket(None, kept, weights_last_use(kept, order))] if kept else []
+    buckets += [StreamedBucket(m, (m.wait,), weights_last_use((m.wait,), order)) for m in gathers]
     return [
-        (m, last)
-        for k, (m, last) in enumerate(zip(gathers, last_uses, strict=True))
-        if k + 1 == len(gathers) or order[last] <= order[last_uses[k + 1]]
+        b
+        for k, b in enumerate(buckets)
+        if k + 1 == len(buckets) or order[b.last_use] <= order[buckets[k + 1].last_use]
     ]
 
 
@@ -241,11 +272,11 @@ def pin_gather_issues(gm: fx.GraphModule, prefetch: int) -> None:
 
     order = _Order(gm.graph)
     gathers = [m for m in find_collectives(gm.graph) if is_param_gather(m)]
-    streamed = [m for m, _ in _streamed_gathers(gathers, order)]
+    streamed = streamed_buckets(gm.graph, gathers, order)
     deps: dict[fx.Node, OrderedSet[fx.Node]] = {}
     for k in range(prefetch + 1, len(streamed)):
-        issue = streamed[k].issue
-        derived, readers = _weight_readers(streamed[k - prefetch - 1])
+        issue = streamed[k].gather.issue
+        derived, readers = _weight_readers(streamed[k - prefetch - 1].weights)
         # What the graph outputs from the weights alone (hpZ's secondary shard)
         # is computed from the bucket too.
         saved = {d for d in derived if any(u.op == "output" for u in d.users)}

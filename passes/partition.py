@@ -21,6 +21,7 @@ import torch
 from torch import fx
 from torch._functorch.partitioners import default_partition
 from zppc.passes.graph_utils import SECONDARY_SHARD, UNSHARD, UNSHARD_SECONDARY, GraphBuilder
+from zppc.passes.zero import KEPT_GATHERED
 
 aten = torch.ops.aten
 VIEW_OPS = {
@@ -169,7 +170,9 @@ def regather_in_backward(
 
     kept_gathers = set(keep)
     for node, inp in uses:
-        if _root_gather(inp) not in kept_gathers:
+        if _root_gather(inp) in kept_gathers:
+            inp.meta[KEPT_GATHERED] = True  # what the backward's input will be
+        else:
             node.replace_input_with(inp, copy_chain(inp, node))
     graph.lint()
     return sum(1 for n in copies if n.target == UNSHARD)

@@ -200,6 +200,9 @@ GRAD_REDUCE = "zppc_grad_reduce"
 # the bytes of the full tensor unpadded. Default-sized buckets end at a
 # block's boundary (bucket).
 BLOCK_UNIT = "zppc_block_unit"
+# On a gathered weight the forward saves for the backward (and on the views of
+# it the forward saves instead): the backward graph's input carries it too.
+KEPT_GATHERED = "zppc_kept_gathered"
 UNPADDED_BYTES = "zppc_unpadded_bytes"
 
 
