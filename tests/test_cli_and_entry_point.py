@@ -165,6 +165,30 @@ FLAG_CHANGES = [
 ]
 
 
+def test_schedule_states_what_zero3_keeps_gathered(capsys):
+    """The plan says which weights skip the backward's re-gather: by default
+    the last block's (`Config.keep_last_block`), none with
+    --no-keep-last-block, and those backward gathers are gone from the plan."""
+    kept = _plan_json(capsys)
+    regathered = _plan_json(capsys, "--no-keep-last-block")
+    assert kept["totals"]["kept_gathered_weights"] > 0
+    assert 0 < kept["totals"]["kept_gathered_bytes"] <= 4 * 2**20
+    assert regathered["totals"]["kept_gathered_weights"] == 0
+    assert regathered["totals"]["kept_gathered_bytes"] == 0
+
+    def backward_gathered(plan):
+        return sum(
+            r["intra_node_bytes"] + r["inter_node_bytes"]
+            for r in plan["collectives"]
+            if r["graph"] == "backward" and r["kind"] == "all_gather"
+        )
+
+    assert backward_gathered(kept) < backward_gathered(regathered)
+    base = ["schedule", "gpt-tiny", "--world-size", "16", "--node-size", "4"]
+    assert main(base) == 0
+    assert "kept gathered from forward to backward (not re-gathered): " in capsys.readouterr().out
+
+
 def test_every_config_flag_reaches_the_schedule(capsys):
     """A flag that changes nothing in the plan (collectives, their bytes or
     their place in the timeline) would be a flag the planner ignores."""

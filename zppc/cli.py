@@ -241,12 +241,14 @@ def _plan(args: argparse.Namespace) -> dict:
             # The loss is taken from the output outside the graph (cross-entropy has
             # no autograd formula on meta); the collectives do not depend on it.
             _first_tensor(step(*inputs)).float().square().mean().backward()
+        compiles = zppc.inspect(step).compiles
         graphs = [
             (kind, record.final[kind], graph_schedule(record.final[kind], kind, args.rank))
-            for record in zppc.inspect(step).compiles
+            for record in compiles
             for kind in ("forward", "backward")
             if kind in record.final
         ]
+        kept = [size for record in compiles for _, size in record.kept_gathered]
         estimate = cost.simulate(graphs)
         flops = sum(graph_flops(gm) for _, gm, _ in graphs) * scale
     finally:
@@ -268,6 +270,9 @@ def _plan(args: argparse.Namespace) -> dict:
         "step_seconds": estimate.step_seconds,
         "hidden_fraction": estimate.hidden_fraction,
         "parameters": sum(p.numel() for p in model.parameters()),
+        # zero3: weights the forward keeps gathered for the backward (not re-gathered).
+        "kept_gathered_weights": len(kept),
+        "kept_gathered_bytes": sum(kept),
     }
     timeline = [dataclasses.asdict(span) for span in estimate.timeline]
     return {"config": vars(args), "collectives": rows, "totals": totals, "timeline": timeline}
@@ -412,6 +417,13 @@ def _print_table(plan, args, other, other_args, out) -> None:
             f"{r['intra_node_bytes']:14,d} {r['inter_node_bytes']:14,d} {r['node_link_bytes']:14,d} "
             f"{r['predicted_seconds'] * 1e3:9.3f}"
             f"{'  OSP stage 2 (in flight into the next step)' if r['stage'] == 2 else ''}",
+            file=out,
+        )
+    if plan["totals"]["kept_gathered_weights"]:
+        print(
+            f"kept gathered from forward to backward (not re-gathered): "
+            f"{plan['totals']['kept_gathered_weights']} weights, "
+            f"{plan['totals']['kept_gathered_bytes'] / 1e6:,.3f} MB",
             file=out,
         )
     print(f"total: {_summary(plan)}", file=out)
