@@ -386,11 +386,16 @@ def repeated_block_bytes(model: nn.Module, param_dtype: torch.dtype | None = Non
     )
 
 
-def block_bucket_bytes(model: nn.Module, param_dtype: torch.dtype | None = None) -> int:
-    """The bucket cap `Config.bucket_bytes=None` stands for: `repeated_block_bytes`
-    kept within [MIN_BUCKET_BYTES, MAX_BUCKET_BYTES]; MAX_BUCKET_BYTES without
-    a repeated block."""
-    largest = repeated_block_bytes(model, param_dtype)
-    if largest == 0:
+def bucket_cap_for_block(block_bytes: int) -> int:
+    """The bucket cap a repeated block of `block_bytes` gathered bytes stands
+    for: those bytes kept within [MIN_BUCKET_BYTES, MAX_BUCKET_BYTES];
+    MAX_BUCKET_BYTES without a block (0)."""
+    if block_bytes == 0:
         return MAX_BUCKET_BYTES
-    return min(max(largest, MIN_BUCKET_BYTES), MAX_BUCKET_BYTES)
+    return min(max(block_bytes, MIN_BUCKET_BYTES), MAX_BUCKET_BYTES)
+
+
+def block_bucket_bytes(model: nn.Module, param_dtype: torch.dtype | None = None) -> int:
+    """The bucket cap `Config.bucket_bytes=None` stands for: the model's
+    `repeated_block_bytes` through `bucket_cap_for_block`."""
+    return bucket_cap_for_block(repeated_block_bytes(model, param_dtype))

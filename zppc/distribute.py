@@ -45,9 +45,8 @@ import zppc.ir  # noqa: F401  (registers zppc::unshard / zppc::reduce_grad)
 import zppc.runtime.rtp  # noqa: F401  (registers the RTP ring ops)
 from zppc import flyweight
 from zppc.config import (
-    MAX_BUCKET_BYTES,
     Config,
-    block_bucket_bytes,
+    bucket_cap_for_block,
     qualified_name,
     repeated_block_bytes,
     repeated_blocks,
@@ -177,12 +176,10 @@ class DistributedState:
     grad_sync: GradSync = field(default_factory=new_grad_sync)
     """Whether backwards reduce gradients now, and those deferred while not
     (`zppc.no_sync`)."""
-    block_bucket_bytes: int = MAX_BUCKET_BYTES
-    """The bucket cap `Config.bucket_bytes=None` stands for, derived from the
-    model at `distribute` (`zppc.config.block_bucket_bytes`)."""
     block_bytes: int = 0
     """Gathered bytes of the model's largest repeated block, 0 without one
-    (`zppc.config.repeated_block_bytes`): what `Config.keep_last_block` keeps."""
+    (`zppc.config.repeated_block_bytes`): what `Config.keep_last_block` keeps,
+    and what `block_bucket_bytes` derives from."""
     block_classes: frozenset[str] = frozenset()
     """Qualified names of the model's repeated-block classes
     (`zppc.config.repeated_blocks`): default-sized buckets end where one of
@@ -201,6 +198,12 @@ class DistributedState:
     qgz_residuals: dict[str, Tensor] = field(default_factory=dict)
     """qgZ error feedback: this rank's quantization error per compile, bucket and
     hop, added before the next step's quantization (saved by `zppc.save`)."""
+
+    @property
+    def block_bucket_bytes(self) -> int:
+        """The bucket cap `Config.bucket_bytes=None` stands for
+        (`zppc.config.bucket_cap_for_block` of `block_bytes`)."""
+        return bucket_cap_for_block(self.block_bytes)
 
     @property
     def node_mesh(self) -> DeviceMesh | None:
@@ -296,7 +299,6 @@ def distribute(model: nn.Module, config: Config | None = None) -> nn.Module:
         groups=groups,
         mesh=mesh,
         model_ref=weakref.ref(model),
-        block_bucket_bytes=block_bucket_bytes(model, config.param_dtype),
         block_bytes=repeated_block_bytes(model, config.param_dtype),
         block_classes=frozenset(qualified_name(type(m)) for m in repeated_blocks(model)),
     )
