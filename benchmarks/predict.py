@@ -73,6 +73,14 @@ def schedule_flags(config: str) -> list[str] | None:
     return flags
 
 
+def auto_before_two_hops(nodes: int, per_node: int) -> str:
+    """What `Config.reduce_scatter="auto"` ran on gloo before reductions went
+    in two hops: the direct exchange where it brought no more bytes into a
+    node than gloo's all-reduce ring (D (W - D) against 2 (W - 1) chunks)."""
+    world = nodes * per_node
+    return "all_to_all" if per_node * (world - per_node) <= 2 * (world - 1) else "native"
+
+
 def plan(run_args: dict, config: str, inter_bits: float, rates: dict) -> dict:
     """The plan's totals for one row (each rank's view is the same here: rank 0)."""
     from zppc.cli import main
@@ -88,7 +96,10 @@ def plan(run_args: dict, config: str, inter_bits: float, rates: dict) -> dict:
     flags += ["--tflops", f"{rates['flops_per_second'] / 1e12:.6g}"]
     flags += ["--memory-bw", f"{rates['memory_bytes_per_second']:.6g}B/s"]
     # Runs recorded before run.py had --reduce-scatter ran gloo's own.
-    flags += ["--reduce-scatter", run_args.get("reduce_scatter", "native")]
+    reduce_scatter = run_args.get("reduce_scatter", "native")
+    if reduce_scatter == "auto" and run_args.get("reduce_scatter_auto") != "two_hop":
+        reduce_scatter = auto_before_two_hops(nodes, per_node)
+    flags += ["--reduce-scatter", reduce_scatter]
     if run_args.get("bucket_mb", "None") != "None":
         flags += ["--bucket-mb", run_args["bucket_mb"]]
     elif run_args.get("bucket_default") != "block":

@@ -63,7 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--reduce-scatter",
         default="auto",
-        choices=["auto", "native", "all_to_all"],
+        choices=["auto", "native", "all_to_all", "two_hop"],
         help="zppc's Config.reduce_scatter for the rows that do not set their own",
     )
     p.add_argument(
@@ -167,6 +167,8 @@ def main(argv=None) -> int:
     report["args"]["bucket_default"] = "block"
     # Runs recorded before Config.keep_last_block re-gathered every weight in backward.
     report["args"]["zero3_default_keeps"] = "last_block"
+    # Runs recorded before it reduced in two hops on gloo under "auto" exchanged directly.
+    report["args"]["reduce_scatter_auto"] = "two_hop"
     # One thread's compute rates, for benchmarks/predict.py's cost model.
     report["machine_rates"] = args.machine_rates = measure_rates()
     for rate in args.inter_bw.split(","):

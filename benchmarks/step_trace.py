@@ -193,7 +193,9 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--lowering", default="eager", choices=["eager", "inductor"])
     p.add_argument("--bucket-mb", type=float, default=None)
-    p.add_argument("--reduce-scatter", default="auto", choices=["auto", "native", "all_to_all"])
+    p.add_argument(
+        "--reduce-scatter", default="auto", choices=["auto", "native", "all_to_all", "two_hop"]
+    )
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--inter-bw", default=None, help="run on the emulated cluster at this rate")
     p.add_argument("--nodes", type=int, default=2)

@@ -33,8 +33,12 @@ CONFIGS: dict[str, tuple[str, dict | None]] = {
     "zppc-ddp": ("zppc", {"strategy": "ddp"}),
     "zppc-zero3": ("zppc", {"strategy": "zero3"}),
     # gloo's own reduce-scatter (an all-reduce underneath) instead of the
-    # all-to-all + local sum Config.reduce_scatter="auto" picks on 2 x 2.
+    # two hops (inside the node, then across) Config.reduce_scatter="auto"
+    # picks on 2 x 2.
     "zppc-zero3-native-rs": ("zppc", {"strategy": "zero3", "reduce_scatter": "native"}),
+    # The direct exchange: an all-to-all of the rank-major slices and a local
+    # sum ("auto" on 2 x 2 before the two hops).
+    "zppc-zero3-direct-rs": ("zppc", {"strategy": "zero3", "reduce_scatter": "all_to_all"}),
     # The overlap pass off: every collective waited right after its issue.
     "zppc-zero3-serial": ("zppc", {"strategy": "zero3", "disable_passes": ("overlap",)}),
     # Gradient reductions on the same gloo group as the gathers (the

@@ -85,6 +85,7 @@ COLLECTIVE_KINDS = {
     c10d.all_gather_into_tensor.default: "all_gather",
     zppc_ops.all_gather_in_place.default: "all_gather",
     c10d.reduce_scatter_tensor.default: "reduce_scatter",
+    zppc_ops.reduce_scatter_in_two_hops.default: "reduce_scatter",
     c10d.all_reduce.default: "all_reduce",
     c10d.all_to_all_single.default: "all_to_all",
     c10d.broadcast.default: "broadcast",

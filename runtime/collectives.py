@@ -10,6 +10,8 @@ would keep gathered weights alive and pin the scheduler).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -17,10 +19,12 @@ from zppc.runtime import compat
 from zppc.runtime.failures import waiting_on
 from zppc.runtime.ledger import record
 from zppc.runtime.topology import (
-    GatherHops,
+    HopGroups,
     group_ranks,
     group_size,
+    reduction_hops,
     two_hop_gather_over,
+    two_hop_reduce_over,
     world_epoch,
 )
 
@@ -43,27 +47,42 @@ def bytes_per_peer(kind: str, inp: Tensor, world: int) -> int:
 REDUCE_SCATTER_IS_ALL_REDUCE = ("gloo",)
 
 
-def direct_reduce_scatter(algorithm: str, group_name: str, backend: str) -> bool:
-    """Whether a reduce-scatter over `group_name` runs as an all-to-all of the
-    rank-major slices and a local sum (`Config.reduce_scatter`, for a group
-    of `backend`).
+def reduce_scatter_algorithm(algorithm: str, group_name: str, backend: str) -> str:
+    """How a reduce-scatter over `group_name` runs (`Config.reduce_scatter`,
+    for a group of `backend`): "native", "all_to_all" (the rank-major slices
+    exchanged directly and summed locally) or "two_hop"
+    (`reduce_scatter_in_two_hops`).
 
-    "auto": on a backend whose reduce-scatter is an all-reduce, when the
-    direct exchange brings no more bytes into a node over its inter-node link
-    than that all-reduce's ring (2 (W - 1) chunks into each node, against
-    D (W - D) for nodes of D ranks): 2 nodes x 2 ranks 4 against 6 chunks,
-    2 x 4 16 against 14 (there the all-reduce is kept). A tie (one node, where
-    nothing crosses) goes to the all-to-all, which moves half the bytes in all.
-    Counted for the group's first rank, so every rank decides alike."""
+    "auto": on a backend whose reduce-scatter is an all-reduce (gloo), in two
+    hops where the group has reduction hop groups (several nodes of several
+    ranks: D (N - 1) chunks into each node of D ranks, against D (W - D)
+    direct and 2 (W - 1) through the all-reduce's ring: 2 x 2 2 / 4 / 6,
+    2 x 4 4 / 16 / 14); otherwise all_to_all when the direct exchange brings
+    no more bytes into a node than that ring (a rank per node: W - 1 against
+    2 (W - 1); a tie, one node, where nothing crosses, goes to the
+    all-to-all, which moves half the bytes in all); else native. NCCL's ring
+    reduce-scatter is kept. Counted for the group's first rank, so every rank
+    decides alike. "two_hop" on a group without hop groups is an error."""
     from zppc.runtime.ledger import node_link_bytes
 
+    hops = reduction_hops(group_name)
+    if algorithm == "two_hop":
+        if hops is None:
+            raise ValueError(
+                f"reduce_scatter='two_hop' needs gloo and several nodes of several ranks; "
+                f"group {group_name!r} over ranks {group_ranks(group_name)} has no hop groups"
+            )
+        return algorithm
     if algorithm != "auto":
-        return algorithm == "all_to_all"
+        return algorithm
     if backend not in REDUCE_SCATTER_IS_ALL_REDUCE:
-        return False
+        return "native"
+    if hops is not None:
+        return "two_hop"
     first = group_ranks(group_name)[0]
     direct = node_link_bytes("all_to_all", group_name, first, 1)
-    return direct <= 2 * node_link_bytes("reduce_scatter", group_name, first, 1)
+    ring = 2 * node_link_bytes("reduce_scatter", group_name, first, 1)
+    return "all_to_all" if direct <= ring else "native"
 
 
 @torch.library.custom_op("zppc::record_comm", mutates_args=())
@@ -118,46 +137,114 @@ def all_gather_in_place(shard: Tensor, group_name: str) -> Tensor:
     return out
 
 
-def _two_hop_gather(out: Tensor, shard: Tensor, hops: GatherHops) -> None:
+def _two_hop_gather(out: Tensor, shard: Tensor, hops: HopGroups) -> None:
     """`out` = every rank's shard in rank order, in two hops (a hop world,
-    `zppc.runtime.topology.GatherHops`): the N shards of this rank's local
+    `zppc.runtime.topology.HopGroups`): the N shards of this rank's local
     index across the nodes, then those pieces inside the node (local-major),
-    transposed into place. Asynchronous: the second hop is issued from a
-    completion callback once the first hop is done and the previous gather's
-    second hop was issued (so every rank issues them in the same order), and
-    `out`'s registered work completes with the transpose."""
+    transposed into place."""
     nodes, per_node, n = hops.cross_node.size(), hops.intra_node.size(), shard.numel()
     across = shard.new_empty(nodes * n)
     local_major = shard.new_empty(per_node * nodes * n)
+
+    def transpose_into_place() -> None:
+        out.view(nodes, per_node, n).copy_(local_major.view(per_node, nodes, n).transpose(0, 1))
+
+    _chain_two_hops(
+        out,
+        hops.world,
+        compat.all_gather_single(across, shard, group=hops.cross_node, async_op=True),
+        lambda: compat.all_gather_single(local_major, across, group=hops.intra_node, async_op=True),
+        transpose_into_place,
+    )
+
+
+@torch.library.custom_op("zppc::reduce_scatter_in_two_hops", mutates_args=())
+def reduce_scatter_in_two_hops(flat: Tensor, group_name: str) -> Tensor:
+    """This rank's 1/world slice of the sum over the ranks of a rank-major flat
+    `flat` [W * S], reduced over a reduction hop world of N nodes of D ranks
+    (`zppc.runtime.topology.two_hop_reduce_over`): inside the node first, an
+    all-to-all of the [D, N * S] rows that local rank d of every node owns
+    (`zppc.kernels.qgz.reorder_for_two_hops`) and a sum of the D rows received,
+    the node's partial sums of its N slices; then across the nodes, an
+    all-to-all of those N slices and a sum of the N received. Each rank sends
+    N - 1 slices over the inter-node link where a direct exchange sends
+    W - D. Sums accumulate in fp32 and round to `flat`'s dtype once per hop.
+    Asynchronous, like a functional collective: `_c10d_functional.wait_tensor`
+    on the result waits for it."""
+    from zppc.kernels.qgz import reorder_for_two_hops
+
+    hops = two_hop_reduce_over(group_name)
+    if hops is None:
+        raise ValueError(f"group {group_name!r} is not a reduction hop world")
+    nodes, per_node = hops.cross_node.size(), hops.intra_node.size()
+    shard = flat.numel() // (nodes * per_node)
+    rows = reorder_for_two_hops(flat.reshape(-1), nodes, per_node).reshape(-1)
+    from_node = flat.new_empty(per_node * nodes * shard)
+    from_nodes = flat.new_empty(nodes * shard)
+    node_sums = flat.new_empty(nodes * shard)
+    out = flat.new_empty(shard)
+
+    def across_nodes():
+        torch.sum(from_node.view(per_node, -1), dim=0, out=node_sums)
+        return dist.all_to_all_single(from_nodes, node_sums, group=hops.cross_node, async_op=True)
+
+    def sum_into_out() -> None:
+        torch.sum(from_nodes.view(nodes, shard), dim=0, out=out)
+
+    _chain_two_hops(
+        out,
+        hops.world,
+        dist.all_to_all_single(from_node, rows, group=hops.intra_node, async_op=True),
+        across_nodes,
+        sum_into_out,
+    )
+    return out
+
+
+@reduce_scatter_in_two_hops.register_fake
+def _(flat: Tensor, group_name: str) -> Tensor:
+    return flat.new_empty(flat.numel() // group_size(group_name))
+
+
+def _chain_two_hops(
+    out: Tensor,
+    hop_world: str,
+    first: dist.Work,
+    issue_second: Callable[[], dist.Work],
+    finish: Callable[[], None],
+) -> None:
+    """Register on `out` a work that completes once the `first` hop is done,
+    then the hop `issue_second` issues, then `finish` (which fills `out`).
+    The second hop is issued from a completion callback, once the first is
+    done and the previous collective over `hop_world` issued its own second
+    hop (so every rank issues them in the same order); the main thread never
+    waits between the hops."""
     issued: torch.futures.Future = torch.futures.Future()
     done: torch.futures.Future = torch.futures.Future()
-    key = (world_epoch(), hops.world)
+    key = (world_epoch(), hop_world)
     previous = _SECOND_HOP_ISSUED.get(key)
     _SECOND_HOP_ISSUED[key] = issued
 
     def second_hop(ready: torch.futures.Future) -> None:
         try:
             for future in ready.value():
-                future.wait()  # raises the first hop's (or the previous gather's) failure
-            work = compat.all_gather_single(
-                local_major, across, group=hops.intra_node, async_op=True
-            )
+                future.wait()  # raises the first hop's (or the previous one's) failure
+            work = issue_second()
         except Exception as exc:  # noqa: BLE001  (handed to the waiting thread)
             issued.set_exception(exc)
             done.set_exception(exc)
             return
         issued.set_result(None)
-        work.get_future().then(transpose_into_place)
+        work.get_future().then(finished)
 
-    def transpose_into_place(second: torch.futures.Future) -> None:
+    def finished(second: torch.futures.Future) -> None:
         try:
             second.wait()
-            out.view(nodes, per_node, n).copy_(local_major.view(per_node, nodes, n).transpose(0, 1))
+            finish()
             done.set_result([out])
         except Exception as exc:  # noqa: BLE001
             done.set_exception(exc)
 
-    first = compat.all_gather_single(across, shard, group=hops.cross_node, async_op=True)
     waits_for = [first.get_future()] + ([previous] if previous is not None else [])
     torch.futures.collect_all(waits_for).then(second_hop)
     torch._C._distributed_c10d._register_work(
@@ -166,7 +253,7 @@ def _two_hop_gather(out: Tensor, shard: Tensor, hops: GatherHops) -> None:
 
 
 # (world epoch, hop world name) -> a future completed once the latest
-# gather's second hop is issued.
+# two-hop collective over it issued its second hop.
 _SECOND_HOP_ISSUED: dict[tuple[int, str], torch.futures.Future] = {}
 
 

@@ -20,7 +20,13 @@ import threading
 from dataclasses import dataclass, field
 from functools import cache
 
-from zppc.runtime.topology import group_ranks, node_size_of, two_hop_gather_over, world_epoch
+from zppc.runtime.topology import (
+    group_ranks,
+    node_size_of,
+    two_hop_gather_over,
+    two_hop_reduce_over,
+    world_epoch,
+)
 
 
 @dataclass
@@ -102,9 +108,10 @@ def node_link_bytes(kind: str, group_name: str, rank: int, bytes_per_peer: int) 
     same collective, on this group or on congruent ones), under the algorithms
     gloo and NCCL run: a ring over the group's ranks in order for all-gather,
     reduce-scatter, all-reduce and broadcast (from the first rank), a direct
-    exchange for all-to-all; an all-gather over a hop world (gloo, several
-    nodes of several ranks) runs in two hops, across the nodes then inside
-    them: each rank of the node brings in the N - 1 shards of its local index.
+    exchange for all-to-all; an all-gather or reduce-scatter over a hop world
+    (gloo, several nodes of several ranks) runs in two hops, inside and across
+    the nodes: each rank of the node brings in the N - 1 shards (or node sums)
+    of its local index.
     This is the per-node accounting of the ZeRO++ paper's 3M -> 0.75M; the
     ledger's bytes are logical, per rank."""
     import torch.distributed as dist
@@ -114,7 +121,7 @@ def node_link_bytes(kind: str, group_name: str, rank: int, bytes_per_peer: int) 
     here = [r for r in ranks if r // node_size == rank // node_size]
     if len(here) == len(ranks):
         return 0
-    if kind == "all_gather" and two_hop_gather_over(group_name) is not None:
+    if in_two_hops(kind, group_name):
         return len(here) * (len(ranks) // node_size - 1) * bytes_per_peer
 
     def inbound(member: int) -> int:
@@ -129,6 +136,13 @@ def node_link_bytes(kind: str, group_name: str, rank: int, bytes_per_peer: int) 
 
     # node_size / len(here) congruent copies of this group meet on the node.
     return sum(map(inbound, here)) * node_size // len(here)
+
+
+def in_two_hops(kind: str, group_name: str) -> bool:
+    """Whether a collective of `kind` over this group runs in two hops."""
+    if kind == "all_gather":
+        return two_hop_gather_over(group_name) is not None
+    return kind == "reduce_scatter" and two_hop_reduce_over(group_name) is not None
 
 
 def record(kind: str, group_name: str, bytes_per_peer: int) -> None:

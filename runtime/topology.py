@@ -137,7 +137,7 @@ def setup_groups(
     if dist.get_backend() in TWINNED_BACKENDS:
         alive += _create_twins(topology, (world, intra, cross), timeout)
         if gathers_in_two_hops(topology):
-            alive += _create_gather_hops(topology, world, timeout)
+            alive += _create_hops(topology, world, timeout)
     _GROUPS[key] = (alive, groups)
     return groups
 
@@ -184,52 +184,73 @@ def gathers_in_two_hops(topology: Topology) -> bool:
     as two hops, across the nodes and then inside each, than as gloo's ring:
     D (N - 1) chunks against N D - 1 for N nodes of D ranks (2 x 2: 2 against
     3; 2 x 8: 8 against 15), so with several nodes of several ranks, laid out
-    evenly."""
+    evenly. A reduce-scatter in two hops (inside each node, then across)
+    brings D (N - 1) as well, against D (W - D) for a direct exchange."""
     nodes, per_node = topology.num_nodes, topology.node_size
     return nodes > 1 and per_node > 1 and topology.world_size == nodes * per_node
 
 
 @dataclass(frozen=True)
-class GatherHops:
-    """The groups of a two-hop world all-gather: `world` names it in graphs
-    (`zppc.passes.gather_hops` moves gathers there), and on `cross_node` then
-    `intra_node` it runs (`zppc.runtime.collectives.all_gather_in_place`)."""
+class HopGroups:
+    """The groups of a two-hop collective over the world: `world` names it in
+    graphs (`zppc.passes.gather_hops` moves gathers there, the
+    `reduce_scatter` pass reductions), and on `cross_node` and `intra_node` it
+    runs (`zppc.runtime.collectives.all_gather_in_place`, across then inside
+    the nodes; `reduce_scatter_in_two_hops`, inside then across). Gathers and
+    reductions have hop groups of their own."""
 
     world: str
     cross_node: dist.ProcessGroup
     intra_node: dist.ProcessGroup
 
 
-# (world epoch, world group name) -> its two-hop gather groups; also keyed by
-# the hop world's own name, which the runtime and the ledger look up.
-_GATHER_HOPS: dict[tuple[int, str], GatherHops] = {}
+# (world epoch, world group name, "gather" | "reduce") -> its two-hop groups;
+# also keyed by the hop world's own name, which the runtime and the ledger
+# look up.
+_HOPS: dict[tuple[int, str, str], HopGroups] = {}
 
 
-def _create_gather_hops(
+def _create_hops(
     topology: Topology, world: dist.ProcessGroup, timeout: timedelta | None
 ) -> list[dist.ProcessGroup]:
-    """The groups a two-hop all-gather over the world runs on (collective, in
-    this order on every rank): a world group that names it and its own intra-
-    and cross-node groups, on which nothing else runs, because each second hop
-    is issued from a completion callback, in the order the gathers were issued
-    (`zppc.runtime.collectives._two_hop_gather`)."""
-    hop_world, intra, cross = groups = _new_world_intra_cross(topology, timeout)
-    hops = GatherHops(hop_world.group_name, cross, intra)
-    _GATHER_HOPS[(world_epoch(), world.group_name)] = hops
-    _GATHER_HOPS[(world_epoch(), hop_world.group_name)] = hops
-    return groups
+    """The groups two-hop collectives over the world run on (collective, in
+    this order on every rank): for gathers, then for reductions, a world group
+    that names them and its own intra- and cross-node groups, on which nothing
+    else runs, because each second hop is issued from a completion callback,
+    in the order the collectives were issued (`zppc.runtime.collectives`)."""
+    created = []
+    for purpose in ("gather", "reduce"):
+        hop_world, intra, cross = groups = _new_world_intra_cross(topology, timeout)
+        hops = HopGroups(hop_world.group_name, cross, intra)
+        _HOPS[(world_epoch(), world.group_name, purpose)] = hops
+        _HOPS[(world_epoch(), hop_world.group_name, purpose)] = hops
+        created += groups
+    return created
 
 
-def gather_hops(group_name: str) -> GatherHops | None:
+def gather_hops(group_name: str) -> HopGroups | None:
     """The two-hop gather groups of a world group, or of their hop world; None
     where a group has none (NCCL, one node, one rank per node)."""
-    return _GATHER_HOPS.get((world_epoch(), group_name))
+    return _HOPS.get((world_epoch(), group_name, "gather"))
 
 
-def two_hop_gather_over(group_name: str) -> GatherHops | None:
+def reduction_hops(group_name: str) -> HopGroups | None:
+    """The two-hop reduce-scatter groups of a world group, or of their hop
+    world; None where a group has none (as `gather_hops`)."""
+    return _HOPS.get((world_epoch(), group_name, "reduce"))
+
+
+def two_hop_gather_over(group_name: str) -> HopGroups | None:
     """The groups an all-gather over this group runs on in two hops, where it
-    is a hop world; None where it gathers in one collective."""
+    is a gather hop world; None where it gathers in one collective."""
     hops = gather_hops(group_name)
+    return hops if hops is not None and hops.world == group_name else None
+
+
+def two_hop_reduce_over(group_name: str) -> HopGroups | None:
+    """The groups a reduce-scatter over this group runs on in two hops, where
+    it is a reduction hop world; None elsewhere."""
+    hops = reduction_hops(group_name)
     return hops if hops is not None and hops.world == group_name else None
 
 

@@ -93,9 +93,12 @@ STRATEGIES = {
     "zero1": dict(strategy="zero1", node_size=2),
     "zero2": dict(strategy="zero2", node_size=2),
     "zero3": dict(strategy="zero3", node_size=2),
-    # gloo's own reduce-scatter (an all-reduce underneath) instead of the
-    # all-to-all + local sum "auto" picks on gloo: the path NCCL users run.
+    # gloo's own reduce-scatter (an all-reduce underneath) instead of what
+    # "auto" picks on gloo (two hops on 2 x 2, the all-to-all + local sum on
+    # one node): the path NCCL users run.
     "zero3-native-rs": dict(strategy="zero3", node_size=2, reduce_scatter="native"),
+    # The all-to-all + local sum where "auto" reduces in two hops (2 x 2).
+    "zero3-direct-rs": dict(strategy="zero3", node_size=2, reduce_scatter="all_to_all"),
     "zeropp": dict(strategy="zero3", node_size=2, qwz="int8", qwz_block=64, hpz=True, qgz="int8"),
     # qgZ's two hops with quantization off: numerics-preserving, so compiled
     # must equal eager to float noise (one node on 2 ranks, 2 x 2 on 4).
@@ -139,6 +142,17 @@ def test_padded_mlp_with_momentum_under_both_lowerings(world):
     run_matrix(world, cases_for(strategies, ["padded"], ["sgd"], (1, 2)), timeout=1440)
 
 
+# 2 nodes x 2: zero2's and zero3's reductions in two hops (inside each node,
+# then across), with gradient accumulation; the padded MLP above runs them
+# on one node at 2 ranks, and on 2 x 2 in the slow tier.
+@pytest.mark.multiproc
+@pytest.mark.inductor
+@pytest.mark.timeout(1500)
+def test_two_hop_reductions_on_two_nodes_under_both_lowerings():
+    strategies = [(s, STRATEGIES[s]) for s in ("zero2", "zero3")]
+    run_matrix(4, cases_for(strategies, ["padded"], ["sgd"], (2,)), timeout=1440)
+
+
 # Buffers mutated in forward (BatchNorm statistics and counter, a user counter),
 # tied, frozen and unpadded parameters, AdamW: the strategies users pick most.
 @pytest.mark.slow
@@ -169,14 +183,15 @@ SLOW_MATRIX = {
 # rtp-qwz shares the ring with rtp and the quantization with zeropp (both run
 # at every size): it runs on 2 ranks only. zero3-native-rs differs from zero3
 # in the backward's collectives only; 2 ranks run it in the padded case above,
-# so here it runs on 2 nodes.
+# so here it runs on 2 nodes, as does zero3-direct-rs (on one node "auto"
+# picks the all-to-all zero3 runs at 2 ranks).
 FULL_MATRIX = [
     (size, strategy)
     for size in SLOW_MATRIX
     for strategy in STRATEGIES
     if strategy not in ("qgz-exact", "zero3-keep", "zero3-cost")
     and not (strategy == "rtp-qwz" and size != "2 ranks")
-    and not (strategy == "zero3-native-rs" and size != "4 ranks")
+    and not (strategy in ("zero3-native-rs", "zero3-direct-rs") and size != "4 ranks")
 ]
 
 

@@ -551,3 +551,39 @@ def two_hop_gathers(rank, world):
         if not torch.equal(got, expected):
             differ.append(case)
     return differ, node_link_bytes("all_gather", hops.world, rank, 1)
+
+
+def two_hop_reduce_scatters(rank, world, node_size):
+    """Every (size, dtype) case reduce-scattered over the reduction hop world
+    of `node_size`-rank nodes (issued all at once, then waited in reverse: the
+    second hops must still meet in order), against the sum in float64 of every
+    rank's input (each rank makes all of them from their seeds). Returns the
+    largest error relative to the sum's scale per case, and the ledger's
+    node-link count of one slice: in two hops against a direct exchange."""
+    import torch.distributed._functional_collectives as funcol
+    from zppc.runtime.ledger import node_link_bytes
+    from zppc.runtime.topology import Topology, reduction_hops, setup_groups
+
+    groups = setup_groups(Topology(world, node_size))
+    hops = reduction_hops(groups.world)
+    cases = [(n, dtype) for n in (1, 5, 1001) for dtype in ("float32", "bfloat16", "float16")]
+
+    def flat_of(r, case):
+        n, dtype = case
+        generator = torch.Generator().manual_seed(1000 * r + n)
+        return torch.randn(world * n, generator=generator).to(getattr(torch, dtype))
+
+    issued = [
+        torch.ops.zppc.reduce_scatter_in_two_hops(flat_of(rank, case), hops.world) for case in cases
+    ]
+    reduced = [funcol.wait_tensor(t) for t in reversed(issued)][::-1]
+    errors = {}
+    for (n, dtype), got in zip(cases, reduced, strict=True):
+        total = sum(flat_of(r, (n, dtype)).double() for r in range(world))
+        expected = total.view(world, n)[rank]
+        assert got.dtype == getattr(torch, dtype) and got.shape == (n,)
+        errors[(n, dtype)] = ((got.double() - expected).abs().max() / total.abs().max()).item()
+    return errors, (
+        node_link_bytes("reduce_scatter", hops.world, rank, 1),
+        node_link_bytes("all_to_all", groups.world, rank, 1),
+    )

@@ -33,6 +33,7 @@ _COMPARABLE = {
     "overlap": str,
     "keep_gathered_mb": float,
     "keep_last_block": lambda v: v.lower() in ("1", "true", "yes", "on"),
+    "reduce_scatter": str,
 }
 
 
@@ -293,7 +294,7 @@ def _summary(plan: dict) -> str:
         f"{t['collectives']} collectives, {t['intra_node_bytes'] / 1e6:,.3f} MB intra-node, "
         f"{t['inter_node_bytes'] / 1e6:,.3f} MB inter-node received by this rank (MB = 10^6 bytes; "
         f"logical, the ledger's), {t['node_link_bytes'] / 1e6:,.3f} MB into its node over the "
-        f"inter-node link (ring / direct algorithms, all the node's ranks); "
+        f"inter-node link (ring / direct / two-hop algorithms, all the node's ranks); "
         f"communication {t['communication_seconds'] * 1e3:,.3f} ms, compute "
         f"{t['compute_seconds'] * 1e3:,.3f} ms ({t['flops'] / 1e9:,.3f} GFLOP), "
         f"step {t['step_seconds'] * 1e3:,.3f} ms predicted "
@@ -416,6 +417,7 @@ def _print_table(plan, args, other, other_args, out) -> None:
             f"{r['graph']:9s} {r['index']:3d} {r['kind']:15s} {r['group_size']:5d} {r['bytes_per_peer']:12,d} "
             f"{r['intra_node_bytes']:14,d} {r['inter_node_bytes']:14,d} {r['node_link_bytes']:14,d} "
             f"{r['predicted_seconds'] * 1e3:9.3f}"
+            f"{'  in two hops' if r.get('two_hops') else ''}"
             f"{'  OSP stage 2 (in flight into the next step)' if r['stage'] == 2 else ''}",
             file=out,
         )
@@ -504,11 +506,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     s.add_argument(
         "--reduce-scatter",
-        choices=["auto", "native", "all_to_all"],
+        choices=["auto", "native", "all_to_all", "two_hop"],
         default="auto",
-        help="how gradient reduce-scatters run: the backend's own, or an all-to-all and a "
-        "local sum; auto: all_to_all on --backend gloo where that moves fewer bytes into a "
-        "node than gloo's reduce-scatter (an all-reduce), native on nccl",
+        help="how gradient reduce-scatters run: the backend's own, an all-to-all and a "
+        "local sum, or two hops (inside each node, then across: gloo, several nodes of "
+        "several ranks); auto on --backend gloo: two_hop where it applies, else all_to_all "
+        "where that moves fewer bytes into a node than gloo's reduce-scatter (an "
+        "all-reduce); native on nccl",
     )
     s.add_argument(
         "--prefetch", type=int, default=1, help="gathered buckets issued ahead of the one in use"

@@ -39,7 +39,7 @@ MAX_BUCKET_BYTES = 25 * 2**20
 MIN_BUCKET_BYTES = 2**20
 
 OSP_SPLITS = ("last", "magnitude")
-REDUCE_SCATTER_ALGORITHMS = ("auto", "native", "all_to_all")
+REDUCE_SCATTER_ALGORITHMS = ("auto", "native", "all_to_all", "two_hop")
 
 
 @dataclass(frozen=True)
@@ -182,11 +182,14 @@ class Config:
     """How a gradient reduce-scatter (zero2/zero3, not qgZ's hops) runs:
     "native", the backend's own reduce-scatter; "all_to_all", an all-to-all of
     the rank-major slices and a local sum over the ranks (each slice crosses
-    the wire once, directly); "auto", all_to_all on gloo, whose reduce-scatter
-    is an all-reduce underneath, where the direct exchange brings fewer bytes
-    into each node (nodes of 1 or 2 ranks, or one node: on the emulated 2 x 2
-    cluster 0.68x the bytes out of each node, `benchmarks/reduce_scatter.py`),
-    native elsewhere (NCCL's ring reduce-scatter, and gloo with larger nodes)."""
+    the wire once, directly); "two_hop", inside each node and then across the
+    nodes, the node's partial sums crossing its link (gloo, several nodes of
+    several ranks; `zppc.runtime.collectives.reduce_scatter_in_two_hops`);
+    "auto", on gloo, whose reduce-scatter is an all-reduce underneath:
+    two_hop where it applies (on the emulated 2 x 2 cluster half the bytes of
+    all_to_all out of each node), else all_to_all where the direct exchange
+    brings fewer bytes into each node (a rank per node, or one node), else
+    native; native on NCCL (its ring reduce-scatter)."""
 
     lowering: str = "inductor"
     """"inductor" generates code with Inductor; "eager" runs the same passes and

@@ -83,7 +83,7 @@ class Links:
     """False: each rank has an inter-node link of its own and a collective
     costs the bytes it receives from other nodes (the ledger's). True: the
     node's ranks share one link, and a collective costs the bytes entering
-    the node over it, all its ranks counted (ring / direct algorithms)."""
+    the node over it, all its ranks counted (ring / direct / two-hop algorithms)."""
     gloo: bool = False
     """gloo runs a reduce-scatter as an all-reduce: twice a ring
     reduce-scatter's bytes on every link."""
@@ -337,7 +337,8 @@ def collective_seconds(links: Links, entry) -> float:
     any hop is (then its node's link carries bytes)."""
     if not entry.ring:
         inter = entry.node_link_bytes if links.inter_per_node else entry.inter_node_bytes
-        factor = 2 if links.gloo and entry.kind == "reduce_scatter" else 1
+        # gloo's own reduce-scatter is an all-reduce underneath.
+        factor = 2 if links.gloo and entry.kind == "reduce_scatter" and not entry.two_hops else 1
         return links.seconds(factor * entry.intra_node_bytes, factor * inter)
     if entry.node_link_bytes:
         return links.seconds(0, entry.bytes_per_peer)

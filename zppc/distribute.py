@@ -57,10 +57,12 @@ from zppc.runtime.grad_sync import GradSync, gathered, new_grad_sync
 from zppc.runtime.osp import OspState, before_optimizer_step, stepping_subset, two_hops_for
 from zppc.runtime.osp import register as register_osp
 from zppc.runtime.topology import (
+    TWINNED_BACKENDS,
     Groups,
     Topology,
     default_node_size,
     device_type,
+    gathers_in_two_hops,
     setup_groups,
     side_world_group,
     world_group,
@@ -259,6 +261,21 @@ def state_of(model: nn.Module) -> DistributedState | None:
     return getattr(model, "_zppc_state", None)
 
 
+def _check_two_hop_reductions(config: Config, topology: Topology) -> None:
+    """`Config.reduce_scatter="two_hop"` where its hop groups will exist."""
+    from zppc.passes import planned_backend
+
+    if config.reduce_scatter != "two_hop":
+        return
+    backend = planned_backend() or dist.get_backend()
+    if backend not in TWINNED_BACKENDS or not gathers_in_two_hops(topology):
+        raise ValueError(
+            "reduce_scatter='two_hop' needs gloo and several nodes of several ranks, "
+            f"got {backend} with world_size {topology.world_size} and node_size "
+            f"{topology.node_size}"
+        )
+
+
 def distribute(model: nn.Module, config: Config | None = None) -> nn.Module:
     """Shard `model` in place over the default process group; returns it.
 
@@ -280,6 +297,7 @@ def distribute(model: nn.Module, config: Config | None = None) -> nn.Module:
             raise ValueError(f"node_size ({node_size}) is larger than world_size ({world})")
         if (config.hpz or config.qgz) and world % node_size:
             raise ValueError(f"hpz/qgz need world_size % node_size == 0, got {world} % {node_size}")
+        _check_two_hop_reductions(config, Topology(world_size=world, node_size=node_size))
         _check_model(model)
         local_error = None
     except ValueError as exc:
@@ -303,8 +321,11 @@ def distribute(model: nn.Module, config: Config | None = None) -> nn.Module:
         block_classes=frozenset(qualified_name(type(m)) for m in repeated_blocks(model)),
     )
     if config.osp is not None:
-        from zppc.passes.reduce_scatter import uses_all_to_all
+        from zppc.passes.reduce_scatter import algorithm_for
 
+        # Stage 2 runs on a side group, which has no hop groups: where the
+        # backward reduces in two hops, stage 2 exchanges directly.
+        stage2 = "all_to_all" if config.reduce_scatter == "two_hop" else config.reduce_scatter
         side_group = side_world_group(topology, config.timeout_s)
         state.osp = OspState(
             index=state.grad_sync.index,
@@ -313,7 +334,7 @@ def distribute(model: nn.Module, config: Config | None = None) -> nn.Module:
             group_name=side_group,
             model_state=weakref.ref(state),
             two_hops=two_hops_for(config, topology, state.qgz_residuals),
-            direct=uses_all_to_all(config.reduce_scatter, side_group),
+            direct=algorithm_for(stage2, side_group) == "all_to_all",
         )
         register_osp(state.osp)
     if config.strategy == "rtp":

@@ -10,7 +10,7 @@ from torch import fx
 
 from zppc.passes.zero import UNQUANTIZED_BYTES, find_collectives
 from zppc.runtime.collectives import bytes_per_peer
-from zppc.runtime.ledger import node_link_bytes, received, ring_received
+from zppc.runtime.ledger import in_two_hops, node_link_bytes, received, ring_received
 from zppc.runtime.osp import stage2_points  # also registers zppc::osp_issue
 from zppc.runtime.rtp import ring_transfer
 from zppc.runtime.topology import group_ranks
@@ -34,12 +34,15 @@ class ScheduledCollective:
     """What each peer would send without quantization (= bytes_per_peer when unquantized)."""
     node_link_bytes: int = 0
     """Bytes entering this rank's node over its inter-node link, all its ranks
-    counted, under the ring / direct algorithms (`ledger.node_link_bytes`)."""
+    counted, under the ring / direct / two-hop algorithms (`ledger.node_link_bytes`)."""
     stage: int = 1
     """2: an OSP stage-2 reduction, issued here and left in flight past the end
     of the graph (it completes while the next iteration computes)."""
     ring: bool = False
     """An RTP ring op: `bytes_per_peer` all come from the next rank of the ring."""
+    two_hops: bool = False
+    """Runs in two hops over a hop world (gloo, several nodes of several ranks:
+    `ledger.in_two_hops`), not as the backend's own collective."""
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,7 @@ def scheduled_collective(
         node_link_bytes=link,
         stage=point.stage,
         ring=point.ring_bytes is not None,
+        two_hops=point.ring_bytes is None and in_two_hops(kind, group_name),
     )
 
 
