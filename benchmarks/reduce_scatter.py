@@ -1,5 +1,6 @@
-"""gloo's reduce-scatter against an all-to-all and a local sum, on the emulated
-cluster, counted by the nodes' links: the measurement behind
+"""gloo's reduce-scatter against an all-to-all and a local sum, and against
+zppc's two hops (inside each node, then across), on the emulated cluster,
+counted by the nodes' links: the measurement behind
 `Config.reduce_scatter="auto"`.
 
     sudo python benchmarks/reduce_scatter.py --nodes 2 --ranks-per-node 2 --inter-bw 1gbit,100mbit
@@ -7,7 +8,7 @@ cluster, counted by the nodes' links: the measurement behind
 For each link speed it builds the cluster (benchmarks/cluster.py) and runs this
 file as every rank's script: each algorithm reduces the same rank-major input
 (`--shard-mb` MB per rank's output, so `world` times that per input) and the
-results are checked equal; the two algorithms alternate `--rounds` times,
+results are checked equal; the algorithms alternate `--rounds` times,
 `--reps` back-to-back operations each, between barriers. The first local rank
 of each node reads its node's link counter (`tx_bytes` of the shaped veth
 inside the node, the bytes that left the node) around each round. Only the
@@ -32,16 +33,19 @@ from cluster import (  # noqa: E402
     result_lines,
 )
 
-ALGORITHMS = ("reduce_scatter", "all_to_all+sum")
+ALGORITHMS = ("reduce_scatter", "all_to_all+sum", "two_hop")
 
 
 def rank_main(shard_bytes: int, rounds: int, reps: int) -> None:
     """One rank of the measurement (run under torchrun inside a node)."""
     import torch
     import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from zppc.runtime.topology import Topology, reduction_hops, setup_groups
 
     dist.init_process_group("gloo")
     world = dist.get_world_size()
+    hops = reduction_hops(setup_groups(Topology(world, int(os.environ["LOCAL_WORLD_SIZE"]))).world)
     link = os.environ["GLOO_SOCKET_IFNAME"]
     n = shard_bytes // 4
     x = torch.randn(world * n, generator=torch.Generator().manual_seed(dist.get_rank()))
@@ -60,10 +64,15 @@ def rank_main(shard_bytes: int, rounds: int, reps: int) -> None:
         dist.all_to_all_single(out, x)
         return out.view(world, n).sum(0)
 
-    ways = dict(zip(ALGORITHMS, (native, direct), strict=True))
-    # Same sum in another order: float32 noise.
-    torch.testing.assert_close(native(), direct(), rtol=1e-5, atol=1e-5)
-    rows: dict[str, list[dict]] = {name: [] for name in ALGORITHMS}
+    def two_hop() -> torch.Tensor:
+        return funcol.wait_tensor(torch.ops.zppc.reduce_scatter_in_two_hops(x, hops.world))
+
+    ways = dict(zip(ALGORITHMS, (native, direct, two_hop), strict=True))
+    if hops is None:  # one node, or a rank per node: nothing to take in two hops
+        del ways["two_hop"]
+    for name, fn in ways.items():  # the same sum in another order: float32 noise
+        torch.testing.assert_close(fn(), native(), rtol=1e-5, atol=1e-5, msg=name)
+    rows: dict[str, list[dict]] = {name: [] for name in ways}
     for _ in range(rounds):
         for name, fn in ways.items():
             dist.barrier()
@@ -92,7 +101,7 @@ def measure(args) -> list[dict]:
                 args.ranks_per_node, script, env={"PYTHONUNBUFFERED": "1"}, timeout=1800
             )
         nodes = result_lines(outputs)
-        for name in ALGORITHMS:
+        for name in nodes[0]["rows"]:
             per_round = [
                 (
                     sum(n["rows"][name][i]["bytes"] for n in nodes) / len(nodes),
