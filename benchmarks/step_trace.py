@@ -20,6 +20,11 @@ which the main thread computed (was in no wait), plus each collective
 still in flight when the backward that issued it ended (OSP's stage 2): how
 much of it ran under the next step's optimizer and forward.
 
+With `--every-rank` every rank writes its trace (`_rank<r>` added to the
+name) and the summary adds each step phase's start and end on every rank,
+read on the traces' common clock: with four ranks sharing two cores they
+drift apart, and a wait on one rank then holds its peers' lateness.
+
 With `--backend nccl` (one GPU per rank) it also records the GPU: NCCL runs
 each collective on a stream of its own, so the evidence is on the device's
 timeline. The compute stream is the one that ran the most kernel time; every
@@ -201,6 +206,11 @@ def main() -> None:
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--ranks-per-node", type=int, default=2)
     p.add_argument("--tag", default="", help="added to the output file names")
+    p.add_argument(
+        "--every-rank",
+        action="store_true",
+        help="every rank writes its trace; the summary adds each phase's start and end per rank",
+    )
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     args = p.parse_args()
     if args.inter_bw is not None:
@@ -243,17 +253,51 @@ def main() -> None:
         if on_gpu:
             torch.cuda.synchronize()
     dist.barrier()
-    if rank == 0:
-        args.out.mkdir(parents=True, exist_ok=True)
-        raw = args.out / f"trace_{args.config}{args.tag}.json"
+    args.out.mkdir(parents=True, exist_ok=True)
+    if rank == 0 or args.every_rank:
+        suffix = f"_rank{rank}" if rank else ""
+        raw = args.out / f"trace_{args.config}{args.tag}{suffix}.json"
         prof.export_chrome_trace(str(raw))
-        events = json.loads(raw.read_text())["traceEvents"]
+        trace = json.loads(raw.read_text())
         with gzip.open(f"{raw}.gz", "wt") as f:
-            json.dump({"traceEvents": events}, f)
+            json.dump(trace, f)
         raw.unlink()
+    dist.barrier()
+    if rank == 0:
+        events = trace["traceEvents"]
         result = {"gpu": analyse_gpu(events)} if on_gpu else analyse(events)
+        if args.every_rank:
+            traces = [trace] + [
+                json.load(gzip.open(args.out / f"trace_{args.config}{args.tag}_rank{r}.json.gz"))
+                for r in range(1, dist.get_world_size())
+            ]
+            result["ranks"] = phase_spread(traces)
         report(args, result, f"{raw}.gz")
     dist.destroy_process_group()
+
+
+def phase_spread(traces: list[dict]) -> dict:
+    """Each step phase's start and end on every rank (seconds after the
+    earliest rank started step 1, on the traces' common clock), and how far
+    apart the ranks ended it. Where ranks share cores, they drift apart, and
+    a collective's wait on one rank holds the time its peers took to reach it."""
+    marks = []
+    for trace in traces:
+        base = trace.get("baseTimeNanoseconds", 0) / 1e3
+        marks.append(
+            {
+                e["name"]: (base + e["ts"], base + e["ts"] + e["dur"])
+                for e in trace["traceEvents"]
+                if e.get("ph") == "X" and e["name"].startswith("step ")
+            }
+        )
+    zero = min(m["step 1 forward"][0] for m in marks)
+    phases = {}
+    for name in sorted(marks[0], key=lambda n: marks[0][n][0]):
+        starts = [(m[name][0] - zero) / 1e6 for m in marks]
+        ends = [(m[name][1] - zero) / 1e6 for m in marks]
+        phases[name] = {"starts": starts, "ends": ends, "end_spread_seconds": max(ends) - min(ends)}
+    return phases
 
 
 def on_emulated_cluster(args) -> int:
@@ -274,6 +318,7 @@ def on_emulated_cluster(args) -> int:
         f"--out={args.out.resolve()}",
         f"--node-size={args.ranks_per_node}",
         f"--tag=_{args.inter_bw}{args.tag}",
+        *(["--every-rank"] if args.every_rank else []),
         *([f"--bucket-mb={args.bucket_mb}"] if args.bucket_mb is not None else []),
     ]
     with EmulatedCluster(nodes=args.nodes, rate=args.inter_bw) as cluster:
@@ -296,6 +341,8 @@ def report(args, result: dict, path: str) -> None:
         report_gpu(result["gpu"])
     else:
         report_cpu(args, result, world)
+    if "ranks" in result:
+        report_spread(result["ranks"])
     print(f"\nwrote {path}")
     json_path = Path(path).with_name(f"trace_{args.config}{args.tag}_summary.json")
     json_path.write_text(
@@ -329,6 +376,16 @@ def report_cpu(args, result: dict, world: int) -> None:
             f"  {c['collective']}: {c['seconds']:.3f} s, {c['after_backward_seconds']:.3f} s "
             f"after the backward ended; under step 1's optimizer / step 2's: {under}"
         )
+
+
+def report_spread(phases: dict) -> None:
+    ranks = len(next(iter(phases.values()))["ends"])
+    print("\neach phase's end on every rank (s after the first rank started step 1)\n")
+    print("| phase | " + " | ".join(f"rank {r}" for r in range(ranks)) + " | spread |")
+    print("|---|" + "---:|" * (ranks + 1))
+    for name, ph in phases.items():
+        ends = " | ".join(f"{t:.3f}" for t in ph["ends"])
+        print(f"| {name} | {ends} | {ph['end_spread_seconds']:.3f} |")
 
 
 def report_gpu(gpu: dict) -> None:

@@ -2,6 +2,7 @@
 which communication counts as hidden, and which collectives outlive the
 backward that issued them."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -57,7 +58,8 @@ def test_the_script_traces_two_steps_of_two_ranks(tmp_path):
     script = Path(step_trace.__file__)
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)]
-        + ["--preset", "gpt-tiny", "--warmup", "1", "--block", "32", "--out", str(tmp_path)],
+        + ["--preset", "gpt-tiny", "--warmup", "1", "--block", "32", "--out", str(tmp_path)]
+        + ["--every-rank"],
         capture_output=True,
         text=True,
         timeout=540,
@@ -65,7 +67,30 @@ def test_the_script_traces_two_steps_of_two_ranks(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert (tmp_path / "trace_zppc-zero3.json.gz").exists()
+    assert (tmp_path / "trace_zppc-zero3_rank1.json.gz").exists()
     assert "| all |" in done.stdout
+    summary = json.loads((tmp_path / "trace_zppc-zero3_summary.json").read_text())
+    assert len(summary["ranks"]["step 2 optimizer"]["ends"]) == 2
+
+
+def test_phase_spread_reads_every_rank_on_the_common_clock():
+    """Two ranks' traces whose own clocks start 1 ms apart: rank 1 ends its
+    forward 30 us after rank 0 on the common clock, though its own
+    timestamps read 970 us earlier."""
+
+    def trace(base_ns: int, phases: dict) -> dict:
+        events = [span(name, a, b) for name, (a, b) in phases.items()]
+        return {"baseTimeNanoseconds": base_ns, "traceEvents": events}
+
+    rank0 = trace(0, {"step 1 forward": (1000, 2000), "step 1 backward": (2000, 4000)})
+    rank1 = trace(1_000_000, {"step 1 forward": (10, 1030), "step 1 backward": (1030, 3010)})
+    phases = step_trace.phase_spread([rank0, rank1])
+    assert list(phases) == ["step 1 forward", "step 1 backward"]
+    forward = phases["step 1 forward"]
+    assert forward["starts"] == pytest.approx([0.0, 10e-6])
+    assert forward["ends"] == pytest.approx([1000e-6, 1030e-6])
+    assert forward["end_spread_seconds"] == pytest.approx(30e-6)
+    assert phases["step 1 backward"]["end_spread_seconds"] == pytest.approx(10e-6)
 
 
 def gpu(name: str, start: float, end: float, stream: int, cat: str = "kernel") -> dict:
