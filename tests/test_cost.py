@@ -99,21 +99,27 @@ def test_a_shared_node_link_and_gloo_reduce_scatter_cost_their_bytes(capsys):
         for link in ("rank", "node")
         for backend in ("nccl", "gloo")
     }
+    native = _plan(capsys, *links, "--backend", "gloo", "--reduce-scatter", "native")
     rows = {key: plan["collectives"] for key, plan in plans.items()}
     assert {r["kind"] for r in rows["rank", "nccl"]} >= {"all_gather", "reduce_scatter"}
     for i, c in enumerate(rows["rank", "nccl"]):
         per_rank = c["intra_node_bytes"] / 1e9 + c["inter_node_bytes"] / 1e7
         per_node = c["intra_node_bytes"] / 1e9 + c["node_link_bytes"] / 1e7
-        factor = 2 if c["kind"] == "reduce_scatter" else 1  # gloo: an all-reduce underneath
         assert c["predicted_seconds"] == pytest.approx(per_rank)
         assert rows["node", "nccl"][i]["predicted_seconds"] == pytest.approx(per_node)
-        assert rows["rank", "gloo"][i]["predicted_seconds"] == pytest.approx(factor * per_rank)
+        # gloo gathers and reduces in two hops here (2 nodes of 4): costed as
+        # they move, 4 chunks into each node, not a ring's 7...
+        assert rows["rank", "gloo"][i]["two_hops"] and not c["two_hops"]
+        assert rows["rank", "gloo"][i]["predicted_seconds"] == pytest.approx(per_rank)
         hops = rows["node", "gloo"][i]
         per_node_gloo = hops["intra_node_bytes"] / 1e9 + hops["node_link_bytes"] / 1e7
-        assert hops["predicted_seconds"] == pytest.approx(factor * per_node_gloo)
-        # gloo gathers in two hops: 4 shards into each node (2 nodes of 4), not a ring's 7.
-        shards = (4, 7) if c["kind"] == "all_gather" else (1, 1)
-        assert hops["node_link_bytes"] * shards[1] == c["node_link_bytes"] * shards[0]
+        assert hops["predicted_seconds"] == pytest.approx(per_node_gloo)
+        assert hops["node_link_bytes"] * 7 == c["node_link_bytes"] * 4
+        # ...while gloo's own reduce-scatter is an all-reduce underneath: twice the time.
+        factor = 2 if c["kind"] == "reduce_scatter" else 1
+        own = native["collectives"][i]
+        assert own["kind"] == c["kind"] and own["two_hops"] == (c["kind"] == "all_gather")
+        assert own["predicted_seconds"] == pytest.approx(factor * per_rank)
     # The bytes are the same plan's (but the node link's, per backend); only their cost differs.
     totals = {
         key: {k: v for k, v in p["totals"].items() if "seconds" not in k and k != "hidden_fraction"}

@@ -158,12 +158,17 @@ def test_gloo_reductions_run_on_a_group_of_their_own(fake_rank, backend):
     gather waited for the reduction before it: reductions take the group's
     twin there, and a gather goes out while a reduction is still in flight.
     NCCL keeps one group. (Gathers stay on the world group here: the
-    gather_hops pass, off, would move them to a group of their own.)"""
+    gather_hops pass, off, would move them to a group of their own; the
+    reductions run as all-to-alls: in two hops they take hop groups of their
+    own, `test_reduce_scatter.py`.)"""
     from zppc.passes import planning
     from zppc.runtime.topology import reduction_twin
 
     with planning("torch", backend):
-        _, backward = final_graphs(disable_passes=("gather_hops",))
+        _, backward = final_graphs(
+            disable_passes=("gather_hops",),
+            reduce_scatter="all_to_all" if backend == "gloo" else "auto",
+        )
     pos = positions(backward)
     matches = find_collectives(backward.graph)
     gathers = [m for m in matches if m.wait.meta.get(PARAM_GATHER)]
