@@ -12,9 +12,11 @@ benchmarks/cluster.py (`--nodes` x `--ranks-per-node`, the nodes joined by a
 link shaped to that rate), so communication takes the time a slow network
 gives it.
 
-Rank 0 profiles two steps after the warm-up (torch.profiler, CPU activities:
-gloo runs each collective on a worker thread of its own, recorded as
-`gloo:<kind>`), writes the Chrome trace (Perfetto opens the .json.gz) and
+Rank 0 profiles two steps after the warm-up (torch.profiler, CPU activities,
+every thread: gloo runs each collective on a worker thread of its own,
+recorded as `gloo:<kind>`, and the second hop of a two-hop collective is
+issued from a worker's completion callback, which a profiler of the calling
+thread alone does not see), writes the Chrome trace (Perfetto opens the .json.gz) and
 prints, per step phase, the collectives' busy time and the part of it during
 which the main thread computed (was in no wait), plus each collective
 still in flight when the backward that issued it ended (OSP's stage 2): how
@@ -44,6 +46,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile, record_function
 from worker import build, config_name
 
@@ -247,7 +250,12 @@ def main() -> None:
         train(-i)
     dist.barrier()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    with profile(activities=activities, record_shapes=False) as prof:
+    # Every thread: a two-hop collective's second hop is issued from a gloo
+    # worker's completion callback, and a thread-local profiler misses it.
+    every_thread = _ExperimentalConfig(profile_all_threads=True)
+    with profile(
+        activities=activities, record_shapes=False, experimental_config=every_thread
+    ) as prof:
         for i in (1, 2):
             train(i)
         if on_gpu:
