@@ -19,6 +19,7 @@ from zppc.runtime import compat
 from zppc.runtime.failures import waiting_on
 from zppc.runtime.ledger import record
 from zppc.runtime.topology import (
+    TWO_HOPS_NEED,
     HopGroups,
     group_ranks,
     group_size,
@@ -69,8 +70,7 @@ def reduce_scatter_algorithm(algorithm: str, group_name: str, backend: str) -> s
     if algorithm == "two_hop":
         if hops is None:
             raise ValueError(
-                f"reduce_scatter='two_hop' needs gloo and several nodes of several ranks; "
-                f"group {group_name!r} over ranks {group_ranks(group_name)} has no hop groups"
+                f"{TWO_HOPS_NEED}; group {group_name!r} over ranks {group_ranks(group_name)} has no hop groups"
             )
         return algorithm
     if algorithm != "auto":

@@ -136,8 +136,8 @@ def setup_groups(
         _NODE_SIZE.setdefault((world_epoch(), name), topology.node_size)
     if dist.get_backend() in TWINNED_BACKENDS:
         alive += _create_twins(topology, (world, intra, cross), timeout)
-        if gathers_in_two_hops(topology):
-            alive += _create_hops(topology, world, timeout)
+    if has_hop_groups(topology, dist.get_backend()):
+        alive += _create_hops(topology, world, timeout)
     _GROUPS[key] = (alive, groups)
     return groups
 
@@ -179,15 +179,28 @@ def _new_world_intra_cross(
     return groups
 
 
-def gathers_in_two_hops(topology: Topology) -> bool:
-    """Whether an all-gather over the world brings fewer bytes into each node
-    as two hops, across the nodes and then inside each, than as gloo's ring:
-    D (N - 1) chunks against N D - 1 for N nodes of D ranks (2 x 2: 2 against
-    3; 2 x 8: 8 against 15), so with several nodes of several ranks, laid out
-    evenly. A reduce-scatter in two hops (inside each node, then across)
-    brings D (N - 1) as well, against D (W - D) for a direct exchange."""
+def has_hop_groups(topology: Topology, backend: str) -> bool:
+    """Whether zppc creates two-hop groups (`HopGroups`) for this layout and
+    backend: on gloo (and the fake process group that plans for it) with
+    several nodes of several ranks, laid out evenly. There an all-gather over
+    the world brings fewer bytes into each node as two hops, across the nodes
+    and then inside each, than as gloo's ring: D (N - 1) chunks against
+    N D - 1 for N nodes of D ranks (2 x 2: 2 against 3; 2 x 8: 8 against
+    15); a reduce-scatter in two hops (inside each node, then across) brings
+    D (N - 1) as well, against D (W - D) for a direct exchange. NCCL's own
+    rings are kept. `distribute` checks `reduce_scatter="two_hop"` with this,
+    before any group exists."""
     nodes, per_node = topology.num_nodes, topology.node_size
-    return nodes > 1 and per_node > 1 and topology.world_size == nodes * per_node
+    return (
+        backend in TWINNED_BACKENDS
+        and nodes > 1
+        and per_node > 1
+        and topology.world_size == nodes * per_node
+    )
+
+
+# `Config.reduce_scatter="two_hop"` where `has_hop_groups` is false.
+TWO_HOPS_NEED = "reduce_scatter='two_hop' needs gloo and several nodes of several ranks"
 
 
 @dataclass(frozen=True)

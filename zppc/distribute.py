@@ -57,12 +57,12 @@ from zppc.runtime.grad_sync import GradSync, gathered, new_grad_sync
 from zppc.runtime.osp import OspState, before_optimizer_step, stepping_subset, two_hops_for
 from zppc.runtime.osp import register as register_osp
 from zppc.runtime.topology import (
-    TWINNED_BACKENDS,
+    TWO_HOPS_NEED,
     Groups,
     Topology,
     default_node_size,
     device_type,
-    gathers_in_two_hops,
+    has_hop_groups,
     setup_groups,
     side_world_group,
     world_group,
@@ -268,10 +268,9 @@ def _check_two_hop_reductions(config: Config, topology: Topology) -> None:
     if config.reduce_scatter != "two_hop":
         return
     backend = planned_backend() or dist.get_backend()
-    if backend not in TWINNED_BACKENDS or not gathers_in_two_hops(topology):
+    if not has_hop_groups(topology, backend):
         raise ValueError(
-            "reduce_scatter='two_hop' needs gloo and several nodes of several ranks, "
-            f"got {backend} with world_size {topology.world_size} and node_size "
+            f"{TWO_HOPS_NEED}, got {backend} with world_size {topology.world_size} and node_size "
             f"{topology.node_size}"
         )
 
