@@ -152,7 +152,7 @@ def _two_hop_gather(out: Tensor, shard: Tensor, hops: HopGroups) -> None:
     _chain_two_hops(
         out,
         hops.world,
-        compat.all_gather_single(across, shard, group=hops.cross_node, async_op=True),
+        lambda: compat.all_gather_single(across, shard, group=hops.cross_node, async_op=True),
         lambda: compat.all_gather_single(local_major, across, group=hops.intra_node, async_op=True),
         transpose_into_place,
     )
@@ -194,7 +194,7 @@ def reduce_scatter_in_two_hops(flat: Tensor, group_name: str) -> Tensor:
     _chain_two_hops(
         out,
         hops.world,
-        dist.all_to_all_single(from_node, rows, group=hops.intra_node, async_op=True),
+        lambda: dist.all_to_all_single(from_node, rows, group=hops.intra_node, async_op=True),
         across_nodes,
         sum_into_out,
     )
@@ -209,52 +209,82 @@ def _(flat: Tensor, group_name: str) -> Tensor:
 def _chain_two_hops(
     out: Tensor,
     hop_world: str,
-    first: dist.Work,
+    issue_first: Callable[[], dist.Work],
     issue_second: Callable[[], dist.Work],
     finish: Callable[[], None],
 ) -> None:
-    """Register on `out` a work that completes once the `first` hop is done,
-    then the hop `issue_second` issues, then `finish` (which fills `out`).
-    The second hop is issued from a completion callback, once the first is
-    done and the previous collective over `hop_world` issued its own second
-    hop (so every rank issues them in the same order); the main thread never
-    waits between the hops."""
-    issued: torch.futures.Future = torch.futures.Future()
-    done: torch.futures.Future = torch.futures.Future()
+    """Register on `out` a work that completes once the hop `issue_first`
+    issues is done, then the hop `issue_second` issues, then `finish` (which
+    fills `out`).
+
+    Each hop is issued once the same hop of the previous collective over
+    `hop_world` has completed: every rank issues them in the same order, each
+    hop's gloo group has one collective in flight however many two-hop
+    collectives are (several in flight on one gloo group killed ranks here
+    under load, `zppc.passes.overlap.one_in_flight_on_gloo`), and a
+    collective's first hop runs while the previous one's second does. A hop
+    whose predecessor is done is issued at once, from the calling thread;
+    otherwise from a completion callback, so the main thread never waits."""
     key = (world_epoch(), hop_world)
-    previous = _SECOND_HOP_ISSUED.get(key)
-    _SECOND_HOP_ISSUED[key] = issued
+    before_first, before_second = _LATEST_HOPS.get(key, (_DONE, _DONE))
+    first_done, second_done = torch.futures.Future(), torch.futures.Future()
+    done: torch.futures.Future = torch.futures.Future()
+    _LATEST_HOPS[key] = (first_done, second_done)
 
-    def second_hop(ready: torch.futures.Future) -> None:
+    def fail(exc: BaseException) -> None:
+        for future in (first_done, second_done, done):
+            if not future.done():
+                future.set_exception(exc)
+
+    def then_issue(after: torch.futures.Future, issue, on_done) -> None:
+        def issue_hop(ready: torch.futures.Future) -> None:
+            try:
+                for future in ready.value():
+                    future.wait()  # raises an earlier hop's failure
+                work = issue()
+            except Exception as exc:  # noqa: BLE001  (handed to the waiting thread)
+                fail(exc)
+                return
+            work.get_future().then(on_done)
+
+        after.then(issue_hop)
+
+    def first_finished(first: torch.futures.Future) -> None:
         try:
-            for future in ready.value():
-                future.wait()  # raises the first hop's (or the previous one's) failure
-            work = issue_second()
-        except Exception as exc:  # noqa: BLE001  (handed to the waiting thread)
-            issued.set_exception(exc)
-            done.set_exception(exc)
+            first.wait()
+        except Exception as exc:  # noqa: BLE001
+            fail(exc)
             return
-        issued.set_result(None)
-        work.get_future().then(finished)
+        first_done.set_result(None)
 
-    def finished(second: torch.futures.Future) -> None:
+    def second_finished(second: torch.futures.Future) -> None:
         try:
             second.wait()
+            second_done.set_result(None)
             finish()
             done.set_result([out])
         except Exception as exc:  # noqa: BLE001
-            done.set_exception(exc)
+            fail(exc)
 
-    waits_for = [first.get_future()] + ([previous] if previous is not None else [])
-    torch.futures.collect_all(waits_for).then(second_hop)
+    then_issue(torch.futures.collect_all([before_first]), issue_first, first_finished)
+    then_issue(
+        torch.futures.collect_all([first_done, before_second]), issue_second, second_finished
+    )
     torch._C._distributed_c10d._register_work(
         out, torch._C._distributed_c10d._create_work_from_future(done)
     )
 
 
-# (world epoch, hop world name) -> a future completed once the latest
-# two-hop collective over it issued its second hop.
-_SECOND_HOP_ISSUED: dict[tuple[int, str], torch.futures.Future] = {}
+def _completed() -> torch.futures.Future:
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(None)
+    return future
+
+
+_DONE = _completed()
+# (world epoch, hop world name) -> futures completed once the latest two-hop
+# collective over it finished its first and its second hop.
+_LATEST_HOPS: dict[tuple[int, str], tuple[torch.futures.Future, torch.futures.Future]] = {}
 
 
 @all_gather_in_place.register_fake

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
+import threading
 
 import torch
 import torch.distributed as dist
@@ -502,7 +504,10 @@ def gpt_step_ledger(rank, world, config_kwargs):
 def in_flight_per_group(rank, world):
     """The most collectives in flight at once on any one process group, in the
     final graphs of a GPT step on gloo (zero3 + hpZ on 2 x 2, small buckets),
-    and how many gathers are issued while a reduction is in flight."""
+    which of those groups are reduction hop worlds, and how many gathers are
+    issued while a reduction is in flight."""
+    from zppc.runtime.topology import two_hop_reduce_over
+
     torch._dynamo.reset()
     torch.manual_seed(0)
     net = MODELS["gpt"]()
@@ -525,15 +530,44 @@ def in_flight_per_group(rank, world):
                 most[key] = max(most.get(key, 0), alive)
                 if m.wait.meta.get(PARAM_GATHER):
                     beside += any(not o.wait.meta.get(PARAM_GATHER) for o in in_flight)
-    return most, beside
+    hop_worlds = {name for _, name in most if two_hop_reduce_over(name) is not None}
+    return most, hop_worlds, beside
+
+
+@contextlib.contextmanager
+def hops_in_flight(module, name: str):
+    """Count, while open, the most collectives in flight at once per process
+    group that `module.name` (a collective taking `group=` and
+    `async_op=True`) issued, from any thread: at each issue, the earlier ones
+    on that group whose futures are not yet done, plus itself. (Done-ness,
+    not a completion callback: a callback added earlier may run after one
+    added once the future completed.) Yields that dict."""
+    original, most, issued, lock = getattr(module, name), {}, {}, threading.Lock()
+
+    def counted(*args, group, async_op, **kwargs):
+        key = group.group_name
+        with lock:
+            earlier = issued.setdefault(key, [])
+            most[key] = max(most.get(key, 0), 1 + sum(not f.done() for f in earlier))
+            work = original(*args, group=group, async_op=async_op, **kwargs)
+            earlier.append(work.get_future())
+        return work
+
+    setattr(module, name, counted)
+    try:
+        yield most
+    finally:
+        setattr(module, name, original)
 
 
 def two_hop_gathers(rank, world):
     """Every (size, dtype) case gathered over the hop world of a 2 x 2 topology
     (issued all at once, then waited in reverse: the second hops must still
     meet in order), each beside gloo's own all-gather over the world. Returns
-    the cases that differ, and the ledger's node-link count of one shard."""
+    the cases that differ, the ledger's node-link count of one shard, and the
+    most hops in flight at once on each hop group."""
     import torch.distributed._functional_collectives as funcol
+    from zppc.runtime import compat
     from zppc.runtime.ledger import node_link_bytes
     from zppc.runtime.topology import Topology, gather_hops, setup_groups
 
@@ -542,15 +576,16 @@ def two_hop_gathers(rank, world):
     cases = [(n, dtype) for n in (1, 5, 1001) for dtype in ("float32", "bfloat16", "float16")]
     torch.manual_seed(rank)
     shards = [torch.randn(n).to(getattr(torch, dtype)) for n, dtype in cases]
-    issued = [torch.ops.zppc.all_gather_in_place(s, hops.world) for s in shards]
-    gathered = [funcol.wait_tensor(t) for t in reversed(issued)][::-1]
+    with hops_in_flight(compat, "all_gather_single") as most:
+        issued = [torch.ops.zppc.all_gather_in_place(s, hops.world) for s in shards]
+        gathered = [funcol.wait_tensor(t) for t in reversed(issued)][::-1]
     differ = []
     for case, shard, got in zip(cases, shards, gathered, strict=True):
         expected = shard.new_empty(shard.numel() * world)
         dist.all_gather_into_tensor(expected, shard, group=dist.group.WORLD)
         if not torch.equal(got, expected):
             differ.append(case)
-    return differ, node_link_bytes("all_gather", hops.world, rank, 1)
+    return differ, node_link_bytes("all_gather", hops.world, rank, 1), most
 
 
 def two_hop_reduce_scatters(rank, world, node_size):
@@ -558,8 +593,9 @@ def two_hop_reduce_scatters(rank, world, node_size):
     of `node_size`-rank nodes (issued all at once, then waited in reverse: the
     second hops must still meet in order), against the sum in float64 of every
     rank's input (each rank makes all of them from their seeds). Returns the
-    largest error relative to the sum's scale per case, and the ledger's
-    node-link count of one slice: in two hops against a direct exchange."""
+    largest error relative to the sum's scale per case, the ledger's
+    node-link count of one slice (in two hops against a direct exchange), and
+    the most hops in flight at once on each hop group."""
     import torch.distributed._functional_collectives as funcol
     from zppc.runtime.ledger import node_link_bytes
     from zppc.runtime.topology import Topology, reduction_hops, setup_groups
@@ -573,17 +609,23 @@ def two_hop_reduce_scatters(rank, world, node_size):
         generator = torch.Generator().manual_seed(1000 * r + n)
         return torch.randn(world * n, generator=generator).to(getattr(torch, dtype))
 
-    issued = [
-        torch.ops.zppc.reduce_scatter_in_two_hops(flat_of(rank, case), hops.world) for case in cases
-    ]
-    reduced = [funcol.wait_tensor(t) for t in reversed(issued)][::-1]
+    with hops_in_flight(dist, "all_to_all_single") as most:
+        issued = [
+            torch.ops.zppc.reduce_scatter_in_two_hops(flat_of(rank, case), hops.world)
+            for case in cases
+        ]
+        reduced = [funcol.wait_tensor(t) for t in reversed(issued)][::-1]
     errors = {}
     for (n, dtype), got in zip(cases, reduced, strict=True):
         total = sum(flat_of(r, (n, dtype)).double() for r in range(world))
         expected = total.view(world, n)[rank]
         assert got.dtype == getattr(torch, dtype) and got.shape == (n,)
         errors[(n, dtype)] = ((got.double() - expected).abs().max() / total.abs().max()).item()
-    return errors, (
-        node_link_bytes("reduce_scatter", hops.world, rank, 1),
-        node_link_bytes("all_to_all", groups.world, rank, 1),
+    return (
+        errors,
+        (
+            node_link_bytes("reduce_scatter", hops.world, rank, 1),
+            node_link_bytes("all_to_all", groups.world, rank, 1),
+        ),
+        most,
     )
