@@ -275,13 +275,9 @@ def _chain_two_hops(
     )
 
 
-def _completed() -> torch.futures.Future:
-    future: torch.futures.Future = torch.futures.Future()
-    future.set_result(None)
-    return future
-
-
-_DONE = _completed()
+# The predecessor of the first two-hop collective over a hop world.
+_DONE: torch.futures.Future = torch.futures.Future()
+_DONE.set_result(None)
 # (world epoch, hop world name) -> futures completed once the latest two-hop
 # collective over it finished its first and its second hop.
 _LATEST_HOPS: dict[tuple[int, str], tuple[torch.futures.Future, torch.futures.Future]] = {}

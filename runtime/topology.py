@@ -229,8 +229,9 @@ def _create_hops(
     """The groups two-hop collectives over the world run on (collective, in
     this order on every rank): for gathers, then for reductions, a world group
     that names them and its own intra- and cross-node groups, on which nothing
-    else runs, because each second hop is issued from a completion callback,
-    in the order the collectives were issued (`zppc.runtime.collectives`)."""
+    else runs, because each hop is issued once the previous collective's same
+    hop is done, from a completion callback where it is not yet, in the order
+    the collectives were issued (`zppc.runtime.collectives._chain_two_hops`)."""
     created = []
     for purpose in ("gather", "reduce"):
         hop_world, intra, cross = groups = _new_world_intra_cross(topology, timeout)
