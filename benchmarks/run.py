@@ -71,7 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="comma-separated subset of (default: all): "
         + ", ".join(CONFIGS)
-        + "; a zppc row followed by @eager or @inductor runs with that lowering",
+        + "; a zppc row followed by @eager or @inductor runs with that lowering, by"
+        " :<MiB>mib (e.g. zppc-zero3@inductor:2mib) with that bucket cap",
     )
     p.add_argument(
         "--compute-slowdown",

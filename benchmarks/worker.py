@@ -83,14 +83,28 @@ LOWERINGS = ("eager", "inductor")
 
 def config_entry(name: str) -> tuple[str, dict | None]:
     """A row's builder kind and zppc Config fields: a name in CONFIGS, or a zppc
-    one followed by `@eager` or `@inductor`, its lowering for that row alone, so
-    that one run measures both side by side (otherwise `--lowering` decides)."""
-    base, at, lowering = name.partition("@")
+    one followed by `@eager` or `@inductor`, its lowering for that row alone,
+    and/or by `:<MiB>mib`, its bucket cap (`Config.bucket_bytes`) for that row
+    alone, e.g. `zppc-zero3@inductor:2mib`: one run then measures lowerings and
+    bucket caps side by side (otherwise `--lowering` and `--bucket-mb` decide)."""
+    rest, colon, bucket = name.partition(":")
+    base, at, lowering = rest.partition("@")
     kind, fields = CONFIGS[base]
+    if (at or colon) and kind != "zppc":
+        raise KeyError(f"{name}: only zppc rows take @lowering or :<MiB>mib")
     if at:
-        if kind != "zppc" or lowering not in LOWERINGS:
-            raise KeyError(f"{name}: only zppc rows take @{'/@'.join(LOWERINGS)}")
+        if lowering not in LOWERINGS:
+            raise KeyError(f"{name}: the lowering is one of @{'/@'.join(LOWERINGS)}")
         fields = {**fields, "lowering": lowering}
+    if colon:
+        mib = bucket.removesuffix("mib")
+        try:
+            bucket_bytes = int(float(mib) * 2**20) if bucket.endswith("mib") else 0
+        except ValueError:
+            bucket_bytes = 0
+        if bucket_bytes <= 0:
+            raise KeyError(f"{name}: the bucket cap is :<MiB>mib, e.g. :2mib")
+        fields = {**fields, "bucket_bytes": bucket_bytes}
     return kind, fields
 
 
@@ -168,7 +182,7 @@ def build(name: str, model, args):
         return engine, opt
     import zppc
 
-    if args.bucket_mb is not None:
+    if args.bucket_mb is not None and "bucket_bytes" not in fields:
         fields = {**fields, "bucket_bytes": int(args.bucket_mb * 2**20)}
     fields = {"reduce_scatter": args.reduce_scatter, **fields}
     if fields.get("cost_model") == "cluster":

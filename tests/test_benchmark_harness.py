@@ -88,10 +88,11 @@ def test_machine_rates_count_bytes_as_the_cost_model_does(monkeypatch):
     assert 10 * 2**18 < rates["memory_bytes_per_second"] * 0.5 < 100 * 2**18
 
 
-def test_a_zppc_row_can_name_its_lowering():
+def test_a_zppc_row_can_name_its_lowering_and_bucket_cap():
     """`zppc-zero3@inductor` runs zero3 under Inductor whatever `--lowering`
-    says, so one run measures both lowerings side by side; other rows, and
-    other suffixes, are refused before anything starts."""
+    says, and `:2mib` at a 2 MiB bucket cap whatever `--bucket-mb` says, so
+    one run measures both lowerings and several caps side by side; other
+    rows, and other suffixes, are refused before anything starts."""
     import run
 
     assert config_entry("zppc-zero3@inductor") == (
@@ -99,7 +100,14 @@ def test_a_zppc_row_can_name_its_lowering():
         {"strategy": "zero3", "lowering": "inductor"},
     )
     assert config_entry("zppc-zero3") == ("zppc", {"strategy": "zero3"})
-    for bad in ("torch-fsdp2@inductor", "zppc-zero3@aot", "zppc-zero4"):
+    assert config_entry("zppc-zero3@eager:2.5mib") == (
+        "zppc",
+        {"strategy": "zero3", "lowering": "eager", "bucket_bytes": int(2.5 * 2**20)},
+    )
+    assert config_entry("zppc-zero3:4mib")[1]["bucket_bytes"] == 4 * 2**20
+    bad_rows = ("torch-fsdp2@inductor", "torch-fsdp2:2mib", "zppc-zero3@aot", "zppc-zero4")
+    bad_rows += ("zppc-zero3:2", "zppc-zero3:0mib", "zppc-zero3:twomib")
+    for bad in bad_rows:
         with pytest.raises(KeyError):
             config_entry(bad)
         with pytest.raises(SystemExit):
