@@ -15,6 +15,11 @@ measured steps. Three figures per row, from /proc/self/status:
 - step: peak - held, what the steps add above that (an upper bound on what
   one step's activations, gathered weights and gradients in flight need:
   the allocator may keep what an earlier step freed, so held includes some).
+- trimmed: the resident set after the measured steps once glibc has handed
+  its free pages back (`malloc_trim(0)`): what the process holds between
+  steps, without what the allocator keeps of freed blocks. Where two rows'
+  trimmed figures agree and their peaks do not, the difference is the
+  allocator's, not the program's (None off glibc).
 
 A fourth figure comes from a second process per row, under the profiler:
 "live tensors, peak", the most bytes of tensors alive at once during a
@@ -144,8 +149,29 @@ def measure(
     one_step()
     one_step()
     peak = _status_bytes("VmHWM")
+    trimmed = _trimmed_resident_bytes()
     dist.destroy_process_group()
-    return {**row, "held_bytes": held, "peak_bytes": peak, "step_bytes": peak - held}
+    return {
+        **row,
+        "held_bytes": held,
+        "peak_bytes": peak,
+        "step_bytes": peak - held,
+        "trimmed_bytes": trimmed,
+    }
+
+
+def _trimmed_resident_bytes() -> int | None:
+    """The resident set once glibc's malloc has returned every free page it
+    can (None where the C library is not glibc)."""
+    import ctypes
+
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+    gc.collect()
+    trim(0)
+    return _status_bytes("VmRSS")
 
 
 MEASURED = "zppc-memory: measured step"
@@ -291,9 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         "| world | configuration | held (MiB) | peak (MiB) | vs FSDP2 | step (MiB) | vs FSDP2 "
-        "| live tensors, peak (MiB) | vs FSDP2 |"
+        "| trimmed (MiB) | live tensors, peak (MiB) | vs FSDP2 |"
     )
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for world in worlds:
         same = [r for r in rows if r["world"] == world]
         fsdp2 = next(r for r in same if r["config"] == "torch-fsdp2")
@@ -307,13 +333,17 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {world} | {name} | {r['held_bytes'] / 2**20:,.0f} | "
                 f"{r['peak_bytes'] / 2**20:,.0f} | {r['peak_bytes'] / fsdp2['peak_bytes']:.2f}x | "
                 f"{r['step_bytes'] / 2**20:,.0f} | {r['step_bytes'] / fsdp2['step_bytes']:.2f}x | "
-                f"{r['live_peak_bytes'] / 2**20:,.1f} | "
+                f"{_mib(r.get('trimmed_bytes'))} | {r['live_peak_bytes'] / 2**20:,.1f} | "
                 f"{r['live_peak_bytes'] / fsdp2['live_peak_bytes']:.3f}x |"
             )
     print_fall(rows, worlds, model_state_bytes(args.preset))
     if args.output:
         args.output.write_text(json.dumps(rows, indent=1))
     return 0
+
+
+def _mib(nbytes: int | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 2**20:,.0f}"
 
 
 def model_state_bytes(preset: str) -> int:
