@@ -100,7 +100,7 @@ def config_entry(name: str) -> tuple[str, dict | None]:
         mib = bucket.removesuffix("mib")
         try:
             bucket_bytes = int(float(mib) * 2**20) if bucket.endswith("mib") else 0
-        except ValueError:
+        except (ValueError, OverflowError):  # not a number, or inf
             bucket_bytes = 0
         if bucket_bytes <= 0:
             raise KeyError(f"{name}: the bucket cap is :<MiB>mib, e.g. :2mib")

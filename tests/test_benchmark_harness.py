@@ -106,7 +106,7 @@ def test_a_zppc_row_can_name_its_lowering_and_bucket_cap():
     )
     assert config_entry("zppc-zero3:4mib")[1]["bucket_bytes"] == 4 * 2**20
     bad_rows = ("torch-fsdp2@inductor", "torch-fsdp2:2mib", "zppc-zero3@aot", "zppc-zero4")
-    bad_rows += ("zppc-zero3:2", "zppc-zero3:0mib", "zppc-zero3:twomib")
+    bad_rows += ("zppc-zero3:2", "zppc-zero3:0mib", "zppc-zero3:twomib", "zppc-zero3:infmib")
     for bad in bad_rows:
         with pytest.raises(KeyError):
             config_entry(bad)
