@@ -64,6 +64,8 @@ def schedule_flags(config: str) -> list[str] | None:
             flags += ["--overlap", "cost"]
         elif key == "keep_gathered_bytes":
             flags += ["--keep-gathered-mb", str(value / 2**20)]
+        elif key == "bucket_bytes":  # a row's own cap (`NAME:2mib`), after the run's
+            flags += ["--bucket-mb", str(value / 2**20)]
         elif key == "keep_last_block":
             flags += [] if value else ["--no-keep-last-block"]
         elif key in _FLAGS:

@@ -114,6 +114,15 @@ def test_a_zppc_row_can_name_its_lowering_and_bucket_cap():
             run.parse_args(["--configs", f"zppc-zero3,{bad}"])
 
 
+def test_predict_plans_a_row_at_its_own_bucket_cap():
+    """A row that names its cap is planned at it: its flag comes after the
+    run's `--bucket-mb`, and the last one given wins, as in the worker."""
+    from predict import schedule_flags
+
+    assert schedule_flags("zppc-zero3:2mib") == ["--strategy", "zero3", "--bucket-mb", "2.0"]
+    assert schedule_flags("zppc-zero3") == ["--strategy", "zero3"]
+
+
 def test_predict_refuses_an_inductor_run():
     from predict import predictions
 
