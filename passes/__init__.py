@@ -149,6 +149,14 @@ class PassContext:
         return MAX_BUCKET_BYTES
 
     @property
+    def edge_bucket_bytes(self) -> int:
+        """The cap of a graph's edge buckets (`zppc.passes.bucket`): half a
+        bucket, or half a repeated block where a larger `Config.bucket_bytes`
+        would hold more (an exposed edge should not grow with the cap)."""
+        block = self.state.block_bytes if self.state is not None else 0
+        return min(self.bucket_bytes, block or self.bucket_bytes) // 2
+
+    @property
     def kept_gathered_bytes(self) -> int:
         """Gathered bytes zero3 keeps from forward to backward:
         `Config.keep_gathered_bytes`, or one repeated block's, no more than a

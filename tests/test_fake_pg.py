@@ -262,9 +262,11 @@ def test_inspect_exports_json_a_trace_and_a_dump_dir(fake_world, tmp_path, monke
 def test_default_buckets_gather_at_most_one_block(fake_world):
     """With the default Config, gpt-small at world 8: every forward gather
     materializes at most one transformer block's weights (3.01 MiB), and the
-    buckets follow the blocks: the embeddings, then each block whole in one
-    gather, then the final norm. An explicit 25 MiB cap gathers the model at
-    once."""
+    buckets follow the blocks: the edge bucket (the embeddings and block 0's
+    first weights, at most half the cap), the rest of block 0, then each block
+    whole in one gather, then the final norm. An explicit 25 MiB cap gathers
+    the rest of the model at once, after an edge no larger than at the
+    default cap (half a block)."""
     world, _ = fake_world
 
     def forward_gathers(config):
@@ -284,6 +286,10 @@ def test_default_buckets_gather_at_most_one_block(fake_world):
     sizes = [g.unquantized_bytes_per_peer * world for g in gathers]
     blocks = PRESETS["gpt-small"].n_layer
     embeddings, final_norm = 4 * (256 + 128) * 256, 4 * 2 * 256
-    assert sorted(sizes) == sorted([embeddings, final_norm] + [cap] * blocks), sizes
+    edge, rest_of_block_0 = sizes[:2]
+    assert embeddings < edge <= cap // 2, sizes
+    assert edge + rest_of_block_0 == embeddings + cap, sizes
+    assert sorted(sizes[2:]) == sorted([final_norm] + [cap] * (blocks - 1)), sizes
     _, whole = forward_gathers(zppc.Config(node_size=4, lowering="eager", bucket_bytes=25 * 2**20))
-    assert len(whole) == 1
+    whole_sizes = [g.unquantized_bytes_per_peer * world for g in whole]
+    assert whole_sizes == [edge, sum(sizes) - edge], whole_sizes

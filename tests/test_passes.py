@@ -166,6 +166,66 @@ def test_default_buckets_close_at_block_boundaries(fake_pg):
     assert sizes(plan_buckets(matches, 64, by_block=True)) == [[16, 16], [32, 32], [48, 16]]
 
 
+def test_edge_buckets_halve_the_first_gathers_and_the_last_reductions(fake_pg):
+    """The first gathers and the last reductions of a graph have no compute to
+    hide behind: they form an edge bucket of at most `edge_bytes` (half the
+    cap in the pass), taking part of a block; the rest of that block is the
+    next bucket, and whole blocks follow as before."""
+    from zppc.passes.zero import BLOCK_UNIT, UNPADDED_BYTES
+
+    def f(*tensors):
+        shards, grads = tensors[:6], tensors[6:]
+        gathered = sum(unshard(s, [4 * s.numel()]).sum() for s in shards)
+        reduced = [
+            torch.ops.zppc.reduce_grad(g, g.numel() // 4, "0", "zero3", None, g.dtype)
+            for g in grads
+        ]
+        return gathered, reduced
+
+    numels = (1, 1, 2, 2, 3, 3)
+    gm = make_fx(f, tracing_mode="fake")(
+        *(torch.randn(n) for n in numels), *(torch.randn(4 * n) for n in reversed(numels))
+    )
+    for node in gm.graph.nodes:
+        node.meta.setdefault("val", None)
+    from zppc.passes import PassContext
+    from zppc.passes.zero import zero_pass
+
+    gm = zero_pass(gm, PassContext(zppc.Config(), "backward"))
+    matches = find_collectives(gm.graph)
+    gathers = [m for m in matches if m.kind == "all_gather"]
+    reductions = [m for m in matches if m.kind != "all_gather"]
+    # Gathers: an embedding-like weight, block a (three), block b (two); the
+    # reductions mirror them, last block first.
+    for ms in (gathers, reductions[::-1]):
+        for m, unit in zip(ms, [None, "a", "a", "a", "b", "b"], strict=True):
+            m.wait.meta[BLOCK_UNIT] = unit
+            m.wait.meta[UNPADDED_BYTES] = full_bytes(m) - 4
+    assert [full_bytes(m) for m in gathers] == [16, 16, 32, 32, 48, 48]
+    assert [full_bytes(m) for m in reductions] == [48, 48, 32, 32, 16, 16]
+
+    def sizes(plan, kind):
+        return [[full_bytes(m) for m in b] for b in plan if (b[0].kind == "all_gather") == kind]
+
+    # Without edges, by block at 96: the first weight and block a (68 unpadded)
+    # share a bucket, as do the reductions of block a and the last weight.
+    plan = plan_buckets(matches, 96, by_block=True)
+    assert sizes(plan, True) == [[16, 16, 32, 32], [48, 48]]
+    assert sizes(plan, False) == [[48, 48], [32, 32, 16, 16]]
+    # Edges of 48: the first weight and block a's first; a's rest; block b.
+    plan = plan_buckets(matches, 96, by_block=True, edge_bytes=48)
+    assert sizes(plan, True) == [[16, 16], [32, 32], [48, 48]]
+    assert sizes(plan, False) == [[48, 48], [32, 32], [16, 16]]
+    # Buckets come in graph order, and an edge whose first member alone is
+    # larger than edge_bytes is no edge: the plan is the one without edges.
+    order = {m.wait: i for i, m in enumerate(matches)}
+    assert [order[b[0].wait] for b in plan] == sorted(order[b[0].wait] for b in plan)
+    assert sizes(plan_buckets(matches, 96, True, edge_bytes=15), True) == [
+        [16, 16, 32, 32],
+        [48, 48],
+    ]
+
+
 def test_pass_list_and_disable():
     with_qwz = [
         "dedupe_unshard",
