@@ -68,6 +68,8 @@ def schedule_flags(config: str) -> list[str] | None:
             flags += ["--bucket-mb", str(value / 2**20)]
         elif key == "keep_last_block":
             flags += [] if value else ["--no-keep-last-block"]
+        elif key == "edge_buckets":
+            flags += [] if value else ["--no-edge-buckets"]
         elif key in _FLAGS:
             flags += [_FLAGS[key], str(value)]
         else:
@@ -108,6 +110,8 @@ def plan(run_args: dict, config: str, inter_bits: float, rates: dict) -> dict:
         flags += ["--bucket-mb", "25"]  # the default before it followed the model's block
     if run_args.get("zero3_default_keeps") != "last_block":
         flags += ["--no-keep-last-block"]  # what zero3 ran before Config.keep_last_block
+    if run_args.get("edge_buckets") != "on":
+        flags += ["--no-edge-buckets"]  # what every row ran before Config.edge_buckets
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "plan.json"
         with contextlib.redirect_stdout(io.StringIO()):

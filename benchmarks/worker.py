@@ -53,6 +53,9 @@ CONFIGS: dict[str, tuple[str, dict | None]] = {
     # The weights the forward reads last re-gathered in backward
     # (Config.keep_last_block off): the backward starts on a gather.
     "zppc-zero3-regather-last": ("zppc", {"strategy": "zero3", "keep_last_block": False}),
+    # zero3 as before Config.edge_buckets: a graph's first gathers and last
+    # reductions bucketed like the rest (whole blocks).
+    "zppc-zero3-no-edge": ("zppc", {"strategy": "zero3", "edge_buckets": False}),
     # Weights kept gathered from forward to backward (what DeepSpeed's
     # prefetcher does for a model this small; FSDP2's reshard_after_forward=False).
     "zppc-zero3-keep": ("zppc", {"strategy": "zero3", "keep_gathered_bytes": 2**30}),

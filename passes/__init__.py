@@ -149,10 +149,13 @@ class PassContext:
         return MAX_BUCKET_BYTES
 
     @property
-    def edge_bucket_bytes(self) -> int:
+    def edge_bucket_bytes(self) -> int | None:
         """The cap of a graph's edge buckets (`zppc.passes.bucket`): half a
         bucket, or half a repeated block where a larger `Config.bucket_bytes`
-        would hold more (an exposed edge should not grow with the cap)."""
+        would hold more (an exposed edge should not grow with the cap); None
+        with `Config.edge_buckets` off."""
+        if not self.config.edge_buckets:
+            return None
         block = self.state.block_bytes if self.state is not None else 0
         return min(self.bucket_bytes, block or self.bucket_bytes) // 2
 

@@ -26,8 +26,8 @@ the concatenated inputs:
 
 Edge buckets: each graph's first parameter-gather bucket and its last
 reduction bucket hold at most half the cap, or half a repeated block where the
-cap is larger (`PassContext.edge_bucket_bytes`; the leading gathers, the
-trailing reductions, whichever blocks they belong to). Those two transfers
+cap is larger (`PassContext.edge_bucket_bytes`, `Config.edge_buckets`; the leading
+gathers, the trailing reductions, whichever blocks they belong to). Those two transfers
 have no compute before (gather) or after (reduction) them to hide behind, so
 the whole bucket is exposed; half a block exposes half as much, and the rest of
 the block, the next bucket, crosses the wire while the edge's weights compute,

@@ -121,6 +121,8 @@ def test_predict_plans_a_row_at_its_own_bucket_cap():
 
     assert schedule_flags("zppc-zero3:2mib") == ["--strategy", "zero3", "--bucket-mb", "2.0"]
     assert schedule_flags("zppc-zero3") == ["--strategy", "zero3"]
+    # Config fields that are off by flag: their row plans with that flag.
+    assert schedule_flags("zppc-zero3-no-edge") == ["--strategy", "zero3", "--no-edge-buckets"]
 
 
 def test_predict_refuses_an_inductor_run():

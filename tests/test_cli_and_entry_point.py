@@ -159,6 +159,7 @@ FLAG_CHANGES = [
     (("--bucket-mb", "0.01", "--prefetch", "2", "--tflops", "0.01"), ("--overlap", "cost")),
     ((), ("--keep-gathered-mb", "1")),
     ((), ("--no-keep-last-block",)),
+    ((), ("--no-edge-buckets",)),
     # The cost model's compute: memory-bound ops, and the CPU's quantization ops.
     ((), ("--memory-bw", "1GB/s")),
     (("--qwz", "int8", "--memory-bw", "1GB/s"), ("--kernels", "torch")),

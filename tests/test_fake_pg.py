@@ -264,7 +264,8 @@ def test_default_buckets_gather_at_most_one_block(fake_world):
     materializes at most one transformer block's weights (3.01 MiB), and the
     buckets follow the blocks: the edge bucket (the embeddings and block 0's
     first weights, at most half the cap), the rest of block 0, then each block
-    whole in one gather, then the final norm. An explicit 25 MiB cap gathers
+    whole in one gather, then the final norm (with `edge_buckets=False` the
+    embeddings alone, then block 0 whole). An explicit 25 MiB cap gathers
     the rest of the model at once, after an edge no larger than at the
     default cap (half a block)."""
     world, _ = fake_world
@@ -290,6 +291,11 @@ def test_default_buckets_gather_at_most_one_block(fake_world):
     assert embeddings < edge <= cap // 2, sizes
     assert edge + rest_of_block_0 == embeddings + cap, sizes
     assert sorted(sizes[2:]) == sorted([final_norm] + [cap] * (blocks - 1)), sizes
+    # Config.edge_buckets=False: the embeddings, then block 0 whole like the rest.
+    _, plain = forward_gathers(zppc.Config(node_size=4, lowering="eager", edge_buckets=False))
+    plain_sizes = [g.unquantized_bytes_per_peer * world for g in plain]
+    assert plain_sizes[:2] == [embeddings, cap], plain_sizes
+    assert sorted(plain_sizes) == sorted([embeddings, final_norm] + [cap] * blocks), plain_sizes
     _, whole = forward_gathers(zppc.Config(node_size=4, lowering="eager", bucket_bytes=25 * 2**20))
     whole_sizes = [g.unquantized_bytes_per_peer * world for g in whole]
     assert whole_sizes == [edge, sum(sizes) - edge], whole_sizes

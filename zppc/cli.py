@@ -33,6 +33,7 @@ _COMPARABLE = {
     "overlap": str,
     "keep_gathered_mb": float,
     "keep_last_block": lambda v: v.lower() in ("1", "true", "yes", "on"),
+    "edge_buckets": lambda v: v.lower() in ("1", "true", "yes", "on"),
     "reduce_scatter": str,
 }
 
@@ -180,6 +181,7 @@ def _settings(args: argparse.Namespace):
             prefetch=args.prefetch,
             keep_gathered_bytes=int(args.keep_gathered_mb * 2**20),
             keep_last_block=args.keep_last_block,
+            edge_buckets=args.edge_buckets,
             lowering="eager",
             param_dtype=param_dtype,
             reduce_dtype=reduce_dtype,
@@ -536,6 +538,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_false",
         help="zero3: re-gather in backward the weights the forward reads last "
         "(Config.keep_last_block=False); by default one repeated block's bytes stay gathered",
+    )
+    s.add_argument(
+        "--no-edge-buckets",
+        dest="edge_buckets",
+        action="store_false",
+        help="bucket a graph's first gathers and last reductions like any others "
+        "(Config.edge_buckets=False); by default they hold at most half a bucket",
     )
     s.add_argument(
         "--seq",

@@ -134,6 +134,14 @@ class Config:
     users wrap, without per-block calls. Models without a repeated block get
     25 MiB."""
 
+    edge_buckets: bool = True
+    """Each graph's first parameter-gather bucket and last reduction bucket
+    hold at most half a bucket (half a repeated block where `bucket_bytes` is
+    larger): those two transfers have no compute to hide behind, so a smaller
+    edge exposes less, and the rest of its block crosses the wire behind the
+    edge's compute. One more collective per graph and kind. False: the edges
+    are buckets like any other."""
+
     prefetch: int = 1
     """How many gathered buckets ahead of the one in use the `overlap` pass
     issues parameter gathers: each gather then crosses the wire while the
@@ -275,7 +283,14 @@ class Config:
             )
         _check_choice("osp_split", self.osp_split, OSP_SPLITS)
         _check_choice("reduce_scatter", self.reduce_scatter, REDUCE_SCATTER_ALGORITHMS)
-        for name in ("hpz", "qgz_quantize", "qgz_error_feedback", "osp_lgp", "keep_last_block"):
+        for name in (
+            "hpz",
+            "qgz_quantize",
+            "qgz_error_feedback",
+            "osp_lgp",
+            "keep_last_block",
+            "edge_buckets",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.node_size is not None and (
