@@ -25,16 +25,17 @@ the concatenated inputs:
   of members' results move below the bucket.
 
 Edge buckets: each graph's first parameter-gather bucket and its last
-reduction bucket hold at most half the cap, or half a repeated block where the
-cap is larger (`PassContext.edge_bucket_bytes`, `Config.edge_buckets`; the leading
-gathers, the trailing reductions, whichever blocks they belong to). Those two transfers
-have no compute before (gather) or after (reduction) them to hide behind, so
-the whole bucket is exposed; half a block exposes half as much, and the rest of
-the block, the next bucket, crosses the wire while the edge's weights compute,
-hidden whenever compute takes as long as the link for the same bytes. The
-cost model puts gpt-small at 50 Mbit/s from 80% of the link hidden to 92%,
-zero3 + qwZ + hpZ from 73% to 89%; a third of the cap gives 85% (then the
-edge holds no matmul weight at all). DDP's small first bucket is the same idea.
+reduction bucket hold at most half the cap, or half a repeated block where
+the cap is larger (`PassContext.edge_bucket_bytes`, `Config.edge_buckets`):
+the leading gathers and the trailing reductions, whichever blocks they belong
+to. Nothing computes before the first gather's use or after the last
+reduction, so those buckets are exposed whole; half a block exposes half as
+much, and the rest of the block, the next bucket, crosses the wire while the
+edge's weights compute, hidden whenever compute takes as long as the link for
+the same bytes. The cost model puts gpt-small at 50 Mbit/s from 80% of the
+link hidden to 92%, zero3 + qwZ + hpZ from 73% to 89%; a third of the cap
+gives 85% (the edge then holds no matrix weight). DDP's small first bucket is
+the same idea.
 
 Every rank buckets identically (graph order and sizes only). Numerics:
 unchanged; each element is reduced with the same peers in the same dtype.
