@@ -188,7 +188,6 @@ def test_edge_buckets_halve_the_first_gathers_and_the_last_reductions(fake_pg):
     )
     for node in gm.graph.nodes:
         node.meta.setdefault("val", None)
-    from zppc.passes import PassContext
     from zppc.passes.zero import zero_pass
 
     gm = zero_pass(gm, PassContext(zppc.Config(), "backward"))

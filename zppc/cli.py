@@ -20,20 +20,26 @@ import traceback
 
 DTYPES = ["float32", "bfloat16", "float16"]
 
+
+def _is_true(value: str) -> bool:
+    """A boolean field's value in `--compare` (hpz=true, edge_buckets=off)."""
+    return value.lower() in ("1", "true", "yes", "on")
+
+
 # What `--compare` may change, and how to read its values.
 _COMPARABLE = {
     "strategy": str,
     "qwz": lambda v: None if v == "none" else v,
     "qgz": lambda v: None if v == "none" else v,
-    "hpz": lambda v: v.lower() in ("1", "true", "yes", "on"),
+    "hpz": _is_true,
     "param_dtype": lambda v: None if v == "none" else v,
     "osp": lambda v: None if v == "none" else float(v),
     "bucket_mb": lambda v: None if v == "auto" else float(v),
     "prefetch": int,
     "overlap": str,
     "keep_gathered_mb": float,
-    "keep_last_block": lambda v: v.lower() in ("1", "true", "yes", "on"),
-    "edge_buckets": lambda v: v.lower() in ("1", "true", "yes", "on"),
+    "keep_last_block": _is_true,
+    "edge_buckets": _is_true,
     "reduce_scatter": str,
 }
 
