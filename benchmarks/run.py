@@ -5,18 +5,21 @@
 
 For each link speed, builds the cluster (benchmarks/cluster.py), measures the
 shaped link, then runs every configuration (benchmarks/worker.py) with the same
-model, data, seed and steps. Configurations that cannot run here are listed
-with the reason, never skipped silently; a row whose run fails before any rank
-finished its first step (gloo aborts at start-up now and then on a busy
-machine) is run once more, the first failure kept in the row as
-`retried_after`; a failure after that is the row's result. Prints a markdown
-table and writes bench.json and bench.png into --out.
+model, data, seed and steps. With --repeats N it does all of that N times
+over, interleaved, and each row reports its median run with every run's step
+beside it: on a shared machine one slow minute then moves one run, not a row.
+Configurations that cannot run here are listed with the reason, never skipped
+silently; a row whose run fails before any rank finished its first step (gloo
+aborts at start-up now and then on a busy machine) is run once more, the first
+failure kept in the row as `retried_after`; a failure after that is the row's
+result. Prints a markdown table and writes bench.json and bench.png into --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -82,6 +85,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "rows that plan with a cost model; default: benchmarks/predict.py's calibration on "
         "the twelfth run",
     )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of every row on every link, interleaved (every row and link once, then again); "
+        "a row reports its median run by step time",
+    )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per configuration")
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument(
@@ -93,6 +103,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.inter_bw = "100mbit"
         args.configs = args.configs or ",".join(QUICK_CONFIGS)
     args.configs = args.configs or ",".join(CONFIGS)
+    if args.repeats < 1:
+        p.error(f"--repeats must be at least 1, got {args.repeats}")
     for name in args.configs.split(","):
         try:
             config_entry(name)
@@ -155,6 +167,56 @@ def run_config(cluster: EmulatedCluster, name: str, args) -> dict:
         return result
 
 
+def run_rows(cluster: EmulatedCluster, names: list[str], args) -> list[dict]:
+    """Every configuration once on this cluster, in order."""
+    rows = []
+    for name in names:
+        reason = why_not_runnable(name)
+        if reason:
+            rows.append({"config": name, "status": f"not runnable: {reason}"})
+            continue
+        print(f"  {name} ...", flush=True)
+        row = run_row(cluster, name, args)
+        if row["status"] != "ok" and FIRST_STEP_DONE not in row["log"]:
+            print(f"  {name} failed ({row['status']}); once more", flush=True)
+            row = {**run_row(cluster, name, args), "retried_after": row}
+        rows.append(row)
+    return rows
+
+
+def merge_runs(rate: str, runs: list[dict]) -> dict:
+    """One link's entry from its runs (one per repeat, rows in the same order):
+    the median of the measured rates, and for each row its median run by
+    median step time (the lower middle one of an even count; failed runs do
+    not count). With more than one run each row keeps `runs`, every run's
+    status, step and link rate in the order they ran."""
+    measured = [run["measured_bits_per_second"] for run in runs]
+    link = {
+        "rate": rate,
+        "set_bits_per_second": rate_bits(rate),
+        "measured_bits_per_second": statistics.median(measured),
+        "rows": [],
+    }
+    if len(runs) > 1:
+        link["measured_bits_per_second_runs"] = measured
+    for rows in zip(*(run["rows"] for run in runs), strict=True):
+        done = sorted(
+            (r for r in rows if r["status"] == "ok"), key=lambda r: r["median_step_seconds"]
+        )
+        row = dict(done[(len(done) - 1) // 2] if done else rows[0])
+        if len(runs) > 1:
+            row["runs"] = [
+                {
+                    "status": r["status"],
+                    "median_step_seconds": r.get("median_step_seconds"),
+                    "measured_bits_per_second": bits,
+                }
+                for r, bits in zip(rows, measured, strict=True)
+            ]
+        link["rows"].append(row)
+    return link
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
@@ -174,29 +236,21 @@ def main(argv=None) -> int:
     report["args"]["reduce_scatter_auto"] = "two_hop"
     # One thread's compute rates, for benchmarks/predict.py's cost model.
     report["machine_rates"] = args.machine_rates = measure_rates()
-    for rate in args.inter_bw.split(","):
-        with EmulatedCluster(nodes=args.nodes, rate=rate, latency=args.latency) as cluster:
-            measured = args.link_bits_per_second = cluster.measure_link()
-            link = {
-                "rate": rate,
-                "set_bits_per_second": rate_bits(rate),
-                "measured_bits_per_second": measured,
-                "rows": [],
-            }
-            print(f"link {rate}: measured {measured / 1e6:,.1f} Mbit/s", flush=True)
-            for name in names:
-                reason = why_not_runnable(name)
-                if reason:
-                    link["rows"].append({"config": name, "status": f"not runnable: {reason}"})
-                    continue
-                print(f"  {name} ...", flush=True)
-                row = run_row(cluster, name, args)
-                if row["status"] != "ok" and FIRST_STEP_DONE not in row["log"]:
-                    print(f"  {name} failed ({row['status']}); once more", flush=True)
-                    row = {**run_row(cluster, name, args), "retried_after": row}
-                link["rows"].append(row)
-            report["links"].append(link)
-        report["namespaces_removed"] = not cluster.exists()
+    rates = args.inter_bw.split(",")
+    runs: dict[str, list[dict]] = {rate: [] for rate in rates}
+    removed = True
+    for repeat in range(args.repeats):
+        for rate in rates:
+            with EmulatedCluster(nodes=args.nodes, rate=rate, latency=args.latency) as cluster:
+                measured = args.link_bits_per_second = cluster.measure_link()
+                which = f" (run {repeat + 1} of {args.repeats})" if args.repeats > 1 else ""
+                print(f"link {rate}{which}: measured {measured / 1e6:,.1f} Mbit/s", flush=True)
+                runs[rate].append(
+                    {"measured_bits_per_second": measured, "rows": run_rows(cluster, names, args)}
+                )
+            removed = removed and not cluster.exists()
+    report["links"] = [merge_runs(rate, runs[rate]) for rate in rates]
+    report["namespaces_removed"] = removed
     print_table(report, args)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench.json").write_text(json.dumps(report, indent=1))
@@ -209,7 +263,9 @@ def print_table(report: dict, args) -> None:
     print(
         f"\n{args.model}, {args.nodes} nodes x {args.ranks_per_node} ranks, batch {args.batch_size}x{args.block} per rank, "
         f"{args.steps} timed steps after {args.warmup} warm-up, lowering={args.lowering} "
-        "(a row named NAME@LOWERING runs its own)\n"
+        "(a row named NAME@LOWERING runs its own)"
+        + (f"; each row its median of {args.repeats} runs" if args.repeats > 1 else "")
+        + "\n"
     )
     for link in report["links"]:
         rows = {r["config"]: r for r in link["rows"] if r["status"] == "ok"}
@@ -254,32 +310,45 @@ def print_overlap(report: dict) -> None:
     compute = the same configuration's step on the fastest link of this run
     (its communication is smallest there; an upper bound on compute-only) and
     communication = its wire bytes per node and step over the measured link
-    rate (the time the link alone needs)."""
+    rate (the time the link alone needs); and step / max(compute,
+    communication), the bound the overlap issue states. With repeated runs
+    the row's figures are medians, and each run's own hidden share (its step
+    against the fastest link's step in the same run) follows."""
     if len(report["links"]) < 2:
         return
     fastest = max(report["links"], key=lambda link: link["measured_bits_per_second"])
-    compute = {
-        r["config"]: r["median_step_seconds"] for r in fastest["rows"] if r["status"] == "ok"
-    }
+    compute = {r["config"]: r for r in fastest["rows"] if r["status"] == "ok"}
     nodes = int(report["args"]["nodes"])
     print(f"### communication hidden behind compute (compute: step at {fastest['rate']})\n")
-    print("| link | configuration | step (s) | compute (s) | link time (s) | hidden |")
-    print("|---|---|---:|---:|---:|---:|")
+    print(
+        "| link | configuration | step (s) | compute (s) | link time (s) | step / max | hidden | each run |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---|")
     for link in report["links"]:
         if link is fastest:
             continue
         for r in link["rows"]:
             if r["status"] != "ok" or r["config"] not in compute:
                 continue
-            step, busy = r["median_step_seconds"], compute[r["config"]]
-            wire = r["wire_bytes"] / r["timed_steps"] / nodes * 8
-            comm = wire / link["measured_bits_per_second"]
-            hidden = (busy + comm - step) / min(busy, comm) if min(busy, comm) > 0 else 0.0
+            wire_bits = r["wire_bytes"] / r["timed_steps"] / nodes * 8
+            step, busy = r["median_step_seconds"], compute[r["config"]]["median_step_seconds"]
+            comm = wire_bits / link["measured_bits_per_second"]
+            pairs = zip(r.get("runs", []), compute[r["config"]].get("runs", []), strict=True)
+            each = [
+                f"{hidden_share(run['median_step_seconds'], base['median_step_seconds'], wire_bits / run['measured_bits_per_second']):.0%}"
+                for run, base in pairs
+                if run["status"] == base["status"] == "ok"
+            ]
             print(
                 f"| {link['rate']} | {r['config']} | {step:.3f} | {busy:.3f} | {comm:.3f} "
-                f"| {hidden:.0%} |"
+                f"| {step / max(busy, comm):.2f} | {hidden_share(step, busy, comm):.0%} | {', '.join(each)} |"
             )
     print()
+
+
+def hidden_share(step: float, compute: float, comm: float) -> float:
+    """The share of the smaller of compute and communication a step hid."""
+    return (compute + comm - step) / min(compute, comm) if min(compute, comm) > 0 else 0.0
 
 
 def plot(report: dict, path: Path) -> None:

@@ -201,3 +201,53 @@ def test_overlap_ceiling_times_every_collective_and_work(tmp_path):
     }
     assert all(min(r["collective_s"], r["work_s"], r["both_s"]) > 0 for r in rows)
     assert "| hidden |" in done.stdout
+
+
+def test_repeated_runs_report_each_rows_median_run(capsys):
+    """With --repeats a link's row is its median run by step time (failed runs
+    left out, every run listed in order), the link rate the runs' median;
+    the overlap table gives each run's hidden share beside the medians'."""
+    import run
+
+    def ok(config, step):
+        return {
+            "config": config,
+            "status": "ok",
+            "median_step_seconds": step,
+            "wire_bytes": 6 * 50e6,
+            "timed_steps": 6,
+        }
+
+    fast = [
+        {"measured_bits_per_second": 1e10, "rows": [ok("zppc-zero3", s), ok("torch-fsdp2", 5.0)]}
+        for s in (6.0, 7.0, 5.0)
+    ]
+    slow_rows = [
+        [ok("zppc-zero3", 6.5), ok("torch-fsdp2", 12.0)],
+        [ok("zppc-zero3", 9.0), {"config": "torch-fsdp2", "status": "failed: gloo"}],
+        [ok("zppc-zero3", 7.5), ok("torch-fsdp2", 13.0)],
+    ]
+    slow = [
+        {"measured_bits_per_second": bits, "rows": rows}
+        for bits, rows in zip((50e6, 40e6, 60e6), slow_rows, strict=True)
+    ]
+    links = [run.merge_runs("10gbit", fast), run.merge_runs("50mbit", slow)]
+    zero3, fsdp2 = links[1]["rows"]
+    assert links[1]["measured_bits_per_second"] == 50e6
+    assert links[1]["measured_bits_per_second_runs"] == [50e6, 40e6, 60e6]
+    assert zero3["median_step_seconds"] == 7.5 and links[0]["rows"][0]["median_step_seconds"] == 6.0
+    assert [r["median_step_seconds"] for r in zero3["runs"]] == [6.5, 9.0, 7.5]
+    # Two runs left: the lower middle one.
+    assert fsdp2["median_step_seconds"] == 12.0
+    assert [r["status"] for r in fsdp2["runs"]] == ["ok", "failed: gloo", "ok"]
+    # One run is the run itself, as before repeats existed.
+    single = run.merge_runs("50mbit", slow[:1])
+    assert single["rows"][0] == slow_rows[0][0] and "measured_bits_per_second_runs" not in single
+
+    run.print_overlap({"args": {"nodes": "2"}, "links": links})
+    table = capsys.readouterr().out
+    # 50 MB a step, 25 MB per node: 4 s at 50 Mbit/s. Median step 7.5 against compute 6.0:
+    # (6 + 4 - 7.5) / 4 = 62%, step / max 1.25; run 1 hides (6 + 4 - 6.5) / 4 = 88%,
+    # run 2 (7 + 5 - 9) / 5 = 60%, run 3 (5 + 3.33 - 7.5) / 3.33 = 25%.
+    assert "| 50mbit | zppc-zero3 | 7.500 | 6.000 | 4.000 | 1.25 | 62% | 88%, 60%, 25% |" in table
+    assert "| 50mbit | torch-fsdp2 | 12.000 | 5.000 | 4.000 | 2.40 | -75% | -75%, -140% |" in table
