@@ -189,7 +189,8 @@ def merge_runs(rate: str, runs: list[dict]) -> dict:
     the median of the measured rates, and for each row its median run by
     median step time (the lower middle one of an even count; failed runs do
     not count). With more than one run each row keeps `runs`, every run's
-    status, step and link rate in the order they ran."""
+    status, step, link rate and whether it was retried, in the order they
+    ran."""
     measured = [run["measured_bits_per_second"] for run in runs]
     link = {
         "rate": rate,
@@ -210,6 +211,7 @@ def merge_runs(rate: str, runs: list[dict]) -> dict:
                     "status": r["status"],
                     "median_step_seconds": r.get("median_step_seconds"),
                     "measured_bits_per_second": bits,
+                    "retried": "retried_after" in r,
                 }
                 for r, bits in zip(rows, measured, strict=True)
             ]
@@ -312,8 +314,8 @@ def print_overlap(report: dict) -> None:
     communication = its wire bytes per node and step over the measured link
     rate (the time the link alone needs); and step / max(compute,
     communication), the bound the overlap issue states. With repeated runs
-    the row's figures are medians, and each run's own hidden share (its step
-    against the fastest link's step in the same run) follows."""
+    the row's figures are medians, and each run's own hidden share and step /
+    max (its step against the fastest link's step in the same run) follow."""
     if len(report["links"]) < 2:
         return
     fastest = max(report["links"], key=lambda link: link["measured_bits_per_second"])
@@ -335,7 +337,11 @@ def print_overlap(report: dict) -> None:
             comm = wire_bits / link["measured_bits_per_second"]
             pairs = zip(r.get("runs", []), compute[r["config"]].get("runs", []), strict=True)
             each = [
-                f"{hidden_share(run['median_step_seconds'], base['median_step_seconds'], wire_bits / run['measured_bits_per_second']):.0%}"
+                run_overlap(
+                    run["median_step_seconds"],
+                    base["median_step_seconds"],
+                    wire_bits / run["measured_bits_per_second"],
+                )
                 for run, base in pairs
                 if run["status"] == base["status"] == "ok"
             ]
@@ -344,6 +350,11 @@ def print_overlap(report: dict) -> None:
                 f"| {step / max(busy, comm):.2f} | {hidden_share(step, busy, comm):.0%} | {', '.join(each)} |"
             )
     print()
+
+
+def run_overlap(step: float, compute: float, comm: float) -> str:
+    """One run's hidden share and step / max(compute, communication)."""
+    return f"{hidden_share(step, compute, comm):.0%} ({step / max(compute, comm):.2f})"
 
 
 def hidden_share(step: float, compute: float, comm: float) -> float:

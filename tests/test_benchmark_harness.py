@@ -225,7 +225,10 @@ def test_repeated_runs_report_each_rows_median_run(capsys):
     slow_rows = [
         [ok("zppc-zero3", 6.5), ok("torch-fsdp2", 12.0)],
         [ok("zppc-zero3", 9.0), {"config": "torch-fsdp2", "status": "failed: gloo"}],
-        [ok("zppc-zero3", 7.5), ok("torch-fsdp2", 13.0)],
+        [
+            {**ok("zppc-zero3", 7.5), "retried_after": {"status": "failed: gloo"}},
+            ok("torch-fsdp2", 13.0),
+        ],
     ]
     slow = [
         {"measured_bits_per_second": bits, "rows": rows}
@@ -240,6 +243,7 @@ def test_repeated_runs_report_each_rows_median_run(capsys):
     # Two runs left: the lower middle one.
     assert fsdp2["median_step_seconds"] == 12.0
     assert [r["status"] for r in fsdp2["runs"]] == ["ok", "failed: gloo", "ok"]
+    assert [r["retried"] for r in zero3["runs"]] == [False, False, True]
     # One run is the run itself, as before repeats existed.
     single = run.merge_runs("50mbit", slow[:1])
     assert single["rows"][0] == slow_rows[0][0] and "measured_bits_per_second_runs" not in single
@@ -249,5 +253,11 @@ def test_repeated_runs_report_each_rows_median_run(capsys):
     # 50 MB a step, 25 MB per node: 4 s at 50 Mbit/s. Median step 7.5 against compute 6.0:
     # (6 + 4 - 7.5) / 4 = 62%, step / max 1.25; run 1 hides (6 + 4 - 6.5) / 4 = 88%,
     # run 2 (7 + 5 - 9) / 5 = 60%, run 3 (5 + 3.33 - 7.5) / 3.33 = 25%.
-    assert "| 50mbit | zppc-zero3 | 7.500 | 6.000 | 4.000 | 1.25 | 62% | 88%, 60%, 25% |" in table
-    assert "| 50mbit | torch-fsdp2 | 12.000 | 5.000 | 4.000 | 2.40 | -75% | -75%, -140% |" in table
+    assert (
+        "| 50mbit | zppc-zero3 | 7.500 | 6.000 | 4.000 | 1.25 | 62% "
+        "| 88% (1.08), 60% (1.29), 25% (1.50) |" in table
+    )
+    assert (
+        "| 50mbit | torch-fsdp2 | 12.000 | 5.000 | 4.000 | 2.40 | -75% | -75% (2.40), -140% (2.60) |"
+        in table
+    )
