@@ -22,7 +22,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 import zppc.ir  # noqa: F401
 from zppc.config import Config
 from zppc.distribute import DistributedState, live_states, state_of_shard
-from zppc.inductor_fixes import cpu_loop_split_keeps_tails
+from zppc.inductor_fixes import cpu_kernels_release_the_gil, cpu_loop_split_keeps_tails
 from zppc.inspect import dump_compile
 from zppc.passes import PassContext, is_planning, run_passes
 from zppc.passes.overlap import pin_gather_issues
@@ -258,7 +258,7 @@ def _compile_distributed(gm, example_inputs, config: Config, state: DistributedS
 
     # Inductor's FX graph cache keys each graph as zppc's passes left it, with
     # Inductor's config; the tag adds what the key cannot see: zppc's own code
-    # (the loop-split fix above patches Inductor's codegen, custom ops' fake
+    # (the loop-split and GIL fixes patch Inductor's codegen, custom ops' fake
     # implementations fix output layouts). AOTAutograd's cache stays off: a hit
     # there would skip zppc's passes, which also register runtime state.
     cache_key_tag = f"{torch.compiler.config.cache_key_tag}|zppc:{zppc_source_digest()}"
@@ -270,6 +270,7 @@ def _compile_distributed(gm, example_inputs, config: Config, state: DistributedS
             inductor_config.patch(**patches),
             torch.compiler.config.patch(cache_key_tag=cache_key_tag),
             cpu_loop_split_keeps_tails(),
+            cpu_kernels_release_the_gil(),
         ):
             return compile_fx_inner(graph, inputs, **kw)
 

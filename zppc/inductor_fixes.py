@@ -54,3 +54,36 @@ def cpu_loop_split_keeps_tails() -> Iterator[None]:
 
     with mock.patch.object(CppScheduling, "try_loop_split", guarded):
         yield
+
+
+# The Python binding's call of a compiled CPU kernel, `kernel(<parsed args>)`,
+# as a generic lambda: the arguments are parsed from their Python objects
+# with the GIL held, then the kernel runs with it released (and retaken on
+# the way out, an exception included), as an aten op's binding does. The
+# outer `{}` takes Inductor's parsed arguments; doubled braces are literal.
+_CALL_WITHOUT_THE_GIL = (
+    "[](auto... parsed) {{ "
+    "struct Released {{ PyThreadState* state = PyEval_SaveThread(); "
+    "~Released() {{ PyEval_RestoreThread(state); }} }} released; "
+    "kernel(parsed...); "
+    "}}({}); Py_RETURN_NONE;"
+)
+
+
+@contextlib.contextmanager
+def cpu_kernels_release_the_gil() -> Iterator[None]:
+    """Inductor 2.13 calls each compiled CPU kernel from Python holding the
+    GIL for the kernel's whole run (`CppPythonBindingsCodeCache`'s binding;
+    an aten op releases it). zppc's two-hop collectives issue their second
+    hop and finish from Python callbacks on gloo's threads, so under
+    Inductor a hop waited for whatever fused kernel the step was in (a
+    probe here: another Python thread stalled 73 ms per call of one fused
+    elementwise kernel, at most the 5 ms switch interval between aten ops).
+    Inside this context the bindings Inductor generates release the GIL
+    around the kernel; the kernels touch no Python object."""
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    with mock.patch.object(
+        CppPythonBindingsCodeCache, "call_entry_function", _CALL_WITHOUT_THE_GIL
+    ):
+        yield
