@@ -189,8 +189,8 @@ def merge_runs(rate: str, runs: list[dict]) -> dict:
     the median of the measured rates, and for each row its median run by
     median step time (the lower middle one of an even count; failed runs do
     not count). With more than one run each row keeps `runs`, every run's
-    status, step, link rate and whether it was retried, in the order they
-    ran."""
+    status, step, link rate, whether it was retried and a failed run's log,
+    in the order they ran."""
     measured = [run["measured_bits_per_second"] for run in runs]
     link = {
         "rate": rate,
@@ -212,6 +212,7 @@ def merge_runs(rate: str, runs: list[dict]) -> dict:
                     "median_step_seconds": r.get("median_step_seconds"),
                     "measured_bits_per_second": bits,
                     "retried": "retried_after" in r,
+                    **({"log": r["log"]} if "log" in r else {}),
                 }
                 for r, bits in zip(rows, measured, strict=True)
             ]

@@ -224,7 +224,10 @@ def test_repeated_runs_report_each_rows_median_run(capsys):
     ]
     slow_rows = [
         [ok("zppc-zero3", 6.5), ok("torch-fsdp2", 12.0)],
-        [ok("zppc-zero3", 9.0), {"config": "torch-fsdp2", "status": "failed: gloo"}],
+        [
+            ok("zppc-zero3", 9.0),
+            {"config": "torch-fsdp2", "status": "failed: gloo", "log": "gloo aborted"},
+        ],
         [
             {**ok("zppc-zero3", 7.5), "retried_after": {"status": "failed: gloo"}},
             ok("torch-fsdp2", 13.0),
@@ -243,6 +246,7 @@ def test_repeated_runs_report_each_rows_median_run(capsys):
     # Two runs left: the lower middle one.
     assert fsdp2["median_step_seconds"] == 12.0
     assert [r["status"] for r in fsdp2["runs"]] == ["ok", "failed: gloo", "ok"]
+    assert fsdp2["runs"][1]["log"] == "gloo aborted" and "log" not in fsdp2["runs"][0]
     assert [r["retried"] for r in zero3["runs"]] == [False, False, True]
     # One run is the run itself, as before repeats existed.
     single = run.merge_runs("50mbit", slow[:1])
