@@ -1,4 +1,5 @@
-"""Scoped workarounds for Inductor miscompiles that zppc's graphs hit.
+"""Scoped workarounds for Inductor behaviour that zppc's graphs trip on: a
+miscompile, and compiled CPU kernels that hold the GIL.
 
 Each one is a context manager entered around zppc's own `compile_fx_inner`
 calls only, so other compiles in the process are untouched, and each states
