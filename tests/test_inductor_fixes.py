@@ -6,10 +6,8 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch._inductor import config as inductor_config
 from torch._inductor.codegen.cpp import CppScheduling
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import zppc
 from zppc.inductor_fixes import (
@@ -70,15 +68,6 @@ def test_divisible_extents_are_still_split(monkeypatch):
         got = torch.compile(f, backend="inductor", fullgraph=True)(q, s)
     assert torch.equal(got, f(q, s))
     assert any(calls), "the split no longer ran on a divisible extent"
-
-
-@pytest.fixture
-def fake_rank(request):
-    dist.init_process_group("fake", store=FakeStore(), rank=request.param, world_size=4)
-    torch._dynamo.reset()
-    yield request.param
-    torch._dynamo.reset()
-    dist.destroy_process_group()
 
 
 def python_ticks_during_one_call(fn, x) -> tuple[int, float]:

@@ -19,15 +19,6 @@ MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.at
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
-@pytest.fixture
-def fake_rank(request):
-    dist.init_process_group("fake", store=FakeStore(), rank=request.param, world_size=WORLD)
-    torch._dynamo.reset()
-    yield request.param
-    torch._dynamo.reset()
-    dist.destroy_process_group()
-
-
 def one_step(preset: str, **config):
     """`zppc.inspect` of one compiled step of a GPT preset, on 2 x 2, eager lowering."""
     torch.manual_seed(0)
