@@ -140,21 +140,26 @@ def all_gather_in_place(shard: Tensor, group_name: str) -> Tensor:
 def _two_hop_gather(out: Tensor, shard: Tensor, hops: HopGroups) -> None:
     """`out` = every rank's shard in rank order, in two hops (a hop world,
     `zppc.runtime.topology.HopGroups`): the N shards of this rank's local
-    index across the nodes, then those pieces inside the node (local-major),
-    transposed into place."""
+    index across the nodes, then those pieces inside the node, each local
+    rank's N pieces landing in its column of `out` viewed as [N, D, n].
+
+    The second hop is gloo's list all-gather with those strided columns as
+    its outputs: gloo gathers into a flat buffer of its own either way (its
+    `all_gather_into_tensor` is the list form over the output's chunks) and
+    copies out of it, so the copy lands where the pieces belong; a
+    local-major scratch of the gathered size and a transpose per gather are
+    not needed."""
     nodes, per_node, n = hops.cross_node.size(), hops.intra_node.size(), shard.numel()
     across = shard.new_empty(nodes * n)
-    local_major = shard.new_empty(per_node * nodes * n)
-
-    def transpose_into_place() -> None:
-        out.view(nodes, per_node, n).copy_(local_major.view(per_node, nodes, n).transpose(0, 1))
+    columns = list(out.view(nodes, per_node, n).unbind(1))
 
     _chain_two_hops(
         out,
         hops.world,
         lambda: compat.all_gather_single(across, shard, group=hops.cross_node, async_op=True),
-        lambda: compat.all_gather_single(local_major, across, group=hops.intra_node, async_op=True),
-        transpose_into_place,
+        lambda: dist.all_gather(
+            columns, across.view(nodes, n), group=hops.intra_node, async_op=True
+        ),
     )
 
 
@@ -211,11 +216,11 @@ def _chain_two_hops(
     hop_world: str,
     issue_first: Callable[[], dist.Work],
     issue_second: Callable[[], dist.Work],
-    finish: Callable[[], None],
+    finish: Callable[[], None] | None = None,
 ) -> None:
     """Register on `out` a work that completes once the hop `issue_first`
     issues is done, then the hop `issue_second` issues, then `finish` (which
-    fills `out`).
+    fills `out`, where the second hop does not write it itself).
 
     Each hop is issued once the same hop of the previous collective over
     `hop_world` has completed: every rank issues them in the same order, each
@@ -261,7 +266,8 @@ def _chain_two_hops(
         try:
             second.wait()
             second_done.set_result(None)
-            finish()
+            if finish is not None:
+                finish()
             done.set_result([out])
         except Exception as exc:  # noqa: BLE001
             fail(exc)

@@ -535,29 +535,35 @@ def in_flight_per_group(rank, world):
 
 
 @contextlib.contextmanager
-def hops_in_flight(module, name: str):
+def hops_in_flight(*targets: tuple[object, str]):
     """Count, while open, the most collectives in flight at once per process
-    group that `module.name` (a collective taking `group=` and
+    group that the `(module, name)` targets (collectives taking `group=` and
     `async_op=True`) issued, from any thread: at each issue, the earlier ones
     on that group whose futures are not yet done, plus itself. (Done-ness,
     not a completion callback: a callback added earlier may run after one
     added once the future completed.) Yields that dict."""
-    original, most, issued, lock = getattr(module, name), {}, {}, threading.Lock()
+    most, issued, lock = {}, {}, threading.Lock()
+    originals = [(module, name, getattr(module, name)) for module, name in targets]
 
-    def counted(*args, group, async_op, **kwargs):
-        key = group.group_name
-        with lock:
-            earlier = issued.setdefault(key, [])
-            most[key] = max(most.get(key, 0), 1 + sum(not f.done() for f in earlier))
-            work = original(*args, group=group, async_op=async_op, **kwargs)
-            earlier.append(work.get_future())
-        return work
+    def counting(original):
+        def counted(*args, group, async_op, **kwargs):
+            key = group.group_name
+            with lock:
+                earlier = issued.setdefault(key, [])
+                most[key] = max(most.get(key, 0), 1 + sum(not f.done() for f in earlier))
+                work = original(*args, group=group, async_op=async_op, **kwargs)
+                earlier.append(work.get_future())
+            return work
 
-    setattr(module, name, counted)
+        return counted
+
+    for module, name, original in originals:
+        setattr(module, name, counting(original))
     try:
         yield most
     finally:
-        setattr(module, name, original)
+        for module, name, original in originals:
+            setattr(module, name, original)
 
 
 def two_hop_gathers(rank, world):
@@ -576,7 +582,7 @@ def two_hop_gathers(rank, world):
     cases = [(n, dtype) for n in (1, 5, 1001) for dtype in ("float32", "bfloat16", "float16")]
     torch.manual_seed(rank)
     shards = [torch.randn(n).to(getattr(torch, dtype)) for n, dtype in cases]
-    with hops_in_flight(compat, "all_gather_single") as most:
+    with hops_in_flight((compat, "all_gather_single"), (dist, "all_gather")) as most:
         issued = [torch.ops.zppc.all_gather_in_place(s, hops.world) for s in shards]
         gathered = [funcol.wait_tensor(t) for t in reversed(issued)][::-1]
     differ = []
@@ -609,7 +615,7 @@ def two_hop_reduce_scatters(rank, world, node_size):
         generator = torch.Generator().manual_seed(1000 * r + n)
         return torch.randn(world * n, generator=generator).to(getattr(torch, dtype))
 
-    with hops_in_flight(dist, "all_to_all_single") as most:
+    with hops_in_flight((dist, "all_to_all_single")) as most:
         issued = [
             torch.ops.zppc.reduce_scatter_in_two_hops(flat_of(rank, case), hops.world)
             for case in cases
