@@ -92,6 +92,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="runs of every row on every link, interleaved (every row and link once, then again); "
         "a row reports its median run by step time",
     )
+    p.add_argument(
+        "--comm-batch-size",
+        type=int,
+        default=None,
+        help="also run every row at this batch per rank (1: next to no compute; the same "
+        "parameters, so the same collectives and bytes): its step on a slow link less its step "
+        "on the fastest is the row's communication-only time, measured, which the overlap table "
+        "then uses beside the link time",
+    )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per configuration")
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument(
@@ -105,6 +114,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.configs = args.configs or ",".join(CONFIGS)
     if args.repeats < 1:
         p.error(f"--repeats must be at least 1, got {args.repeats}")
+    if args.comm_batch_size is not None and not 1 <= args.comm_batch_size < args.batch_size:
+        p.error(
+            f"--comm-batch-size must be at least 1 and below --batch-size {args.batch_size}, "
+            f"got {args.comm_batch_size}"
+        )
     for name in args.configs.split(","):
         try:
             config_entry(name)
@@ -168,7 +182,9 @@ def run_config(cluster: EmulatedCluster, name: str, args) -> dict:
 
 
 def run_rows(cluster: EmulatedCluster, names: list[str], args) -> list[dict]:
-    """Every configuration once on this cluster, in order."""
+    """Every configuration once on this cluster, in order; with
+    --comm-batch-size each row's run at that batch follows it, kept in the row
+    as `comm_only` (its status and step)."""
     rows = []
     for name in names:
         reason = why_not_runnable(name)
@@ -176,12 +192,29 @@ def run_rows(cluster: EmulatedCluster, names: list[str], args) -> list[dict]:
             rows.append({"config": name, "status": f"not runnable: {reason}"})
             continue
         print(f"  {name} ...", flush=True)
-        row = run_row(cluster, name, args)
-        if row["status"] != "ok" and FIRST_STEP_DONE not in row["log"]:
-            print(f"  {name} failed ({row['status']}); once more", flush=True)
-            row = {**run_row(cluster, name, args), "retried_after": row}
+        row = run_row_retrying(cluster, name, args)
+        if args.comm_batch_size is not None:
+            print(f"  {name} at batch {args.comm_batch_size} ...", flush=True)
+            alone = argparse.Namespace(**{**vars(args), "batch_size": args.comm_batch_size})
+            comm = run_row_retrying(cluster, name, alone)
+            row["comm_only"] = {
+                "batch_size": args.comm_batch_size,
+                "status": comm["status"],
+                "median_step_seconds": comm.get("median_step_seconds"),
+                **({"log": comm["log"]} if "log" in comm else {}),
+            }
         rows.append(row)
     return rows
+
+
+def run_row_retrying(cluster: EmulatedCluster, name: str, args) -> dict:
+    """`run_row`, once more where the run failed before any rank finished its
+    first step (gloo's start-up), the first failure kept as `retried_after`."""
+    row = run_row(cluster, name, args)
+    if row["status"] != "ok" and FIRST_STEP_DONE not in row["log"]:
+        print(f"  {name} failed ({row['status']}); once more", flush=True)
+        row = {**run_row(cluster, name, args), "retried_after": row}
+    return row
 
 
 def merge_runs(rate: str, runs: list[dict]) -> dict:
@@ -190,7 +223,9 @@ def merge_runs(rate: str, runs: list[dict]) -> dict:
     median step time (the lower middle one of an even count; failed runs do
     not count). With more than one run each row keeps `runs`, every run's
     status, step, link rate, whether it was retried and a failed run's log,
-    in the order they ran."""
+    in the order they ran. A row run with --comm-batch-size also gets
+    `comm_only_step_seconds`, the median of its runs at that batch, chosen
+    apart from the main runs' median, and each run its own."""
     measured = [run["measured_bits_per_second"] for run in runs]
     link = {
         "rate": rate,
@@ -201,10 +236,14 @@ def merge_runs(rate: str, runs: list[dict]) -> dict:
     if len(runs) > 1:
         link["measured_bits_per_second_runs"] = measured
     for rows in zip(*(run["rows"] for run in runs), strict=True):
+        ran_alone = any("comm_only" in r for r in rows)
         done = sorted(
             (r for r in rows if r["status"] == "ok"), key=lambda r: r["median_step_seconds"]
         )
         row = dict(done[(len(done) - 1) // 2] if done else rows[0])
+        alone = sorted(comm_only_step(r) for r in rows if comm_only_step(r) is not None)
+        if alone:
+            row["comm_only_step_seconds"] = alone[(len(alone) - 1) // 2]
         if len(runs) > 1:
             row["runs"] = [
                 {
@@ -213,11 +252,18 @@ def merge_runs(rate: str, runs: list[dict]) -> dict:
                     "measured_bits_per_second": bits,
                     "retried": "retried_after" in r,
                     **({"log": r["log"]} if "log" in r else {}),
+                    **({"comm_only_step_seconds": comm_only_step(r)} if ran_alone else {}),
                 }
                 for r, bits in zip(rows, measured, strict=True)
             ]
         link["rows"].append(row)
     return link
+
+
+def comm_only_step(row: dict) -> float | None:
+    """A run's step at --comm-batch-size, where it ran and finished."""
+    alone = row.get("comm_only", {})
+    return alone.get("median_step_seconds") if alone.get("status") == "ok" else None
 
 
 def main(argv=None) -> int:
@@ -316,36 +362,65 @@ def print_overlap(report: dict) -> None:
     rate (the time the link alone needs); and step / max(compute,
     communication), the bound the overlap issue states. With repeated runs
     the row's figures are medians, and each run's own hidden share and step /
-    max (its step against the fastest link's step in the same run) follow."""
+    max (its step against the fastest link's step in the same run) follow.
+
+    Where the rows also ran at --comm-batch-size, a second table takes
+    communication as measured alone instead: that run's step on this link
+    less its step on the fastest. The link time is what a one-way stream
+    gets from the link; gloo's collectives, data both ways and each waiting
+    for its peers, take longer, and that is what compute has to hide."""
     if len(report["links"]) < 2:
         return
     fastest = max(report["links"], key=lambda link: link["measured_bits_per_second"])
-    compute = {r["config"]: r for r in fastest["rows"] if r["status"] == "ok"}
     nodes = int(report["args"]["nodes"])
+
+    def link_time(row: dict, link: dict, _base: dict) -> float:
+        return row["wire_bytes"] / row["timed_steps"] / nodes * 8 / link["measured_bits_per_second"]
+
+    def measured_alone(row: dict, _link: dict, base: dict) -> float | None:
+        slow, fast = row.get("comm_only_step_seconds"), base.get("comm_only_step_seconds")
+        return slow - fast if slow is not None and fast is not None else None
+
     print(f"### communication hidden behind compute (compute: step at {fastest['rate']})\n")
+    overlap_table(report, fastest, "link time (s)", link_time)
+    if any("comm_only_step_seconds" in r for link in report["links"] for r in link["rows"]):
+        batch = report["args"].get("comm_batch_size")
+        print(
+            f"### the same, communication measured alone (step at batch {batch} on the link "
+            f"less at {fastest['rate']})\n"
+        )
+        overlap_table(report, fastest, "communication alone (s)", measured_alone)
+
+
+def overlap_table(report: dict, fastest: dict, heading: str, comm_time) -> None:
+    """One overlap table, `comm_time(row or run, its link, the fastest link's
+    row or run)` the communication it sets against compute (None: not
+    known)."""
+    compute = {r["config"]: r for r in fastest["rows"] if r["status"] == "ok"}
     print(
-        "| link | configuration | step (s) | compute (s) | link time (s) | step / max | hidden | each run |"
+        f"| link | configuration | step (s) | compute (s) | {heading} | step / max | hidden | each run |"
     )
     print("|---|---|---:|---:|---:|---:|---:|---|")
     for link in report["links"]:
         if link is fastest:
             continue
         for r in link["rows"]:
-            if r["status"] != "ok" or r["config"] not in compute:
+            base = compute.get(r["config"])
+            if r["status"] != "ok" or base is None:
                 continue
-            wire_bits = r["wire_bytes"] / r["timed_steps"] / nodes * 8
-            step, busy = r["median_step_seconds"], compute[r["config"]]["median_step_seconds"]
-            comm = wire_bits / link["measured_bits_per_second"]
-            pairs = zip(r.get("runs", []), compute[r["config"]].get("runs", []), strict=True)
-            each = [
-                run_overlap(
-                    run["median_step_seconds"],
-                    base["median_step_seconds"],
-                    wire_bits / run["measured_bits_per_second"],
-                )
-                for run, base in pairs
-                if run["status"] == base["status"] == "ok"
-            ]
+            step, busy = r["median_step_seconds"], base["median_step_seconds"]
+            comm = comm_time(r, link, base)
+            if comm is None:
+                continue
+            each = []
+            for run, base_run in zip(r.get("runs", []), base.get("runs", []), strict=True):
+                run_comm = comm_time({**r, **run}, run, base_run)
+                if run["status"] == base_run["status"] == "ok" and run_comm is not None:
+                    each.append(
+                        run_overlap(
+                            run["median_step_seconds"], base_run["median_step_seconds"], run_comm
+                        )
+                    )
             print(
                 f"| {link['rate']} | {r['config']} | {step:.3f} | {busy:.3f} | {comm:.3f} "
                 f"| {step / max(busy, comm):.2f} | {hidden_share(step, busy, comm):.0%} | {', '.join(each)} |"

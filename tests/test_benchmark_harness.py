@@ -265,3 +265,58 @@ def test_repeated_runs_report_each_rows_median_run(capsys):
         "| 50mbit | torch-fsdp2 | 12.000 | 5.000 | 4.000 | 2.40 | -75% | -75% (2.40), -140% (2.60) |"
         in table
     )
+
+
+def test_communication_measured_alone_sets_the_second_overlap_table(capsys):
+    """With --comm-batch-size every row's run at that batch is kept beside it;
+    a link's row gets the median of those steps, chosen apart from the main
+    runs' median, and the overlap table is printed a second time with
+    communication = that step on the slow link less the one on the fastest,
+    for the medians and for each run."""
+    import run
+
+    def ok(step, alone):
+        return {
+            "config": "zppc-zero3",
+            "status": "ok",
+            "median_step_seconds": step,
+            "wire_bytes": 6 * 50e6,
+            "timed_steps": 6,
+            "comm_only": {"batch_size": 1, "status": alone[0], "median_step_seconds": alone[1]},
+        }
+
+    fast = [
+        {"measured_bits_per_second": 1e10, "rows": [ok(6.0, ("ok", 0.5))]},
+        {"measured_bits_per_second": 1e10, "rows": [ok(5.0, ("ok", 0.3))]},
+        {"measured_bits_per_second": 1e10, "rows": [ok(7.0, ("ok", 0.4))]},
+    ]
+    slow = [
+        {"measured_bits_per_second": 50e6, "rows": [ok(8.0, ("ok", 6.5))]},
+        {"measured_bits_per_second": 50e6, "rows": [ok(7.0, ("failed: gloo", None))]},
+        {"measured_bits_per_second": 50e6, "rows": [ok(9.0, ("ok", 5.5))]},
+    ]
+    links = [run.merge_runs("10gbit", fast), run.merge_runs("50mbit", slow)]
+    (zero3,) = links[1]["rows"]
+    # Main median: 8.0 (run 1); alone: the lower middle of 5.5 and 6.5, from run 3.
+    assert zero3["median_step_seconds"] == 8.0 and zero3["comm_only_step_seconds"] == 5.5
+    assert links[0]["rows"][0]["comm_only_step_seconds"] == 0.4
+    assert [r["comm_only_step_seconds"] for r in zero3["runs"]] == [6.5, None, 5.5]
+
+    run.print_overlap({"args": {"nodes": "2", "comm_batch_size": "1"}, "links": links})
+    tables = capsys.readouterr().out.split("### ")
+    assert len(tables) == 3 and "batch 1 on the link less at 10gbit" in tables[2]
+    # Link time 25 MB per node at 50 Mbit/s = 4 s, as before.
+    assert "| 50mbit | zppc-zero3 | 8.000 | 6.000 | 4.000 | 1.33 | 50% " in tables[1]
+    # Alone: 5.5 - 0.4 = 5.1 s; (6 + 5.1 - 8) / 5.1 = 61%, step / max 8 / 6 = 1.33.
+    # Run 1: 6.5 - 0.5 = 6.0, (6 + 6 - 8) / 6 = 67% (1.33); run 2's alone failed;
+    # run 3: 5.5 - 0.4 = 5.1, (7 + 5.1 - 9) / 5.1 = 61% (1.29).
+    assert (
+        "| 50mbit | zppc-zero3 | 8.000 | 6.000 | 5.100 | 1.33 | 61% | 67% (1.33), 61% (1.29) |"
+        in tables[2]
+    )
+    # Rows that did not run alone print the link-time table only.
+    for link in links:
+        for row in link["rows"]:
+            row.pop("comm_only_step_seconds")
+    run.print_overlap({"args": {"nodes": "2"}, "links": links})
+    assert capsys.readouterr().out.count("### ") == 1
