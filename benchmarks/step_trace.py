@@ -325,6 +325,9 @@ def on_emulated_cluster(args) -> int:
         f"--reduce-scatter={args.reduce_scatter}",
         f"--out={args.out.resolve()}",
         f"--node-size={args.ranks_per_node}",
+        # Not acted on inside (no --inter-bw there): recorded with the summary.
+        f"--nodes={args.nodes}",
+        f"--ranks-per-node={args.ranks_per_node}",
         f"--tag=_{args.inter_bw}{args.tag}",
         *(["--every-rank"] if args.every_rank else []),
         *([f"--bucket-mb={args.bucket_mb}"] if args.bucket_mb is not None else []),
