@@ -240,10 +240,10 @@ def merge_runs(rate: str, runs: list[dict]) -> dict:
         done = sorted(
             (r for r in rows if r["status"] == "ok"), key=lambda r: r["median_step_seconds"]
         )
-        row = dict(done[(len(done) - 1) // 2] if done else rows[0])
-        alone = sorted(comm_only_step(r) for r in rows if comm_only_step(r) is not None)
+        row = dict(lower_middle(done) if done else rows[0])
+        alone = sorted(step for step in map(comm_only_step, rows) if step is not None)
         if alone:
-            row["comm_only_step_seconds"] = alone[(len(alone) - 1) // 2]
+            row["comm_only_step_seconds"] = lower_middle(alone)
         if len(runs) > 1:
             row["runs"] = [
                 {
@@ -258,6 +258,12 @@ def merge_runs(rate: str, runs: list[dict]) -> dict:
             ]
         link["rows"].append(row)
     return link
+
+
+def lower_middle(ordered: list):
+    """The median of a sorted list, the lower middle one of an even count: a
+    run that happened, not an average of two."""
+    return ordered[(len(ordered) - 1) // 2]
 
 
 def comm_only_step(row: dict) -> float | None:
