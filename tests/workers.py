@@ -635,3 +635,18 @@ def two_hop_reduce_scatters(rank, world, node_size):
         ),
         most,
     )
+
+
+def measure_links_on_ranks(rank, world, node_size, inter_per_node, message_bytes):
+    """This rank's `measure_links` as a dict, or the ValueError it raised."""
+    import dataclasses
+
+    from zppc.measure import measure_links
+
+    try:
+        measured = measure_links(message_bytes, 2, node_size, inter_per_node)
+    except ValueError as exc:
+        return f"ValueError: {exc}"
+    # Still in step: every rank measured, and the world group carries on.
+    dist.barrier()
+    return dataclasses.asdict(measured)

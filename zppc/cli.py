@@ -375,7 +375,119 @@ def _collect(pid: int, reader: int) -> dict:
     return value
 
 
+# `zppc schedule`'s link flags and their values when neither they nor --links give one.
+_LINK_DEFAULTS = {
+    "intra_bw": "300GB/s",
+    "inter_bw": "100Gbit/s",
+    "latency": "5us",
+    "inter_link": "rank",
+    "backend": "nccl",
+}
+
+
+def _fill_link_flags(args: argparse.Namespace) -> None:
+    """Each link flag not given: from the --links measurement, else the default."""
+    from zppc.measure import LinkMeasurement
+
+    measured = {}
+    if args.links is not None:
+        try:
+            link = LinkMeasurement.load(args.links)
+        except ValueError as exc:
+            raise SystemExit(f"zppc schedule: {exc}") from None
+        measured = {
+            "latency": f"{link.latency_seconds}s",
+            "inter_link": "node" if link.inter_per_node else "rank",
+            "backend": "gloo" if link.backend == "gloo" else "nccl",
+        }
+        if link.intra_bytes_per_second:
+            measured["intra_bw"] = f"{link.intra_bytes_per_second}B/s"
+        if link.inter_bytes_per_second:
+            measured["inter_bw"] = f"{link.inter_bytes_per_second}B/s"
+    for flag, default in _LINK_DEFAULTS.items():
+        if getattr(args, flag) is None:
+            setattr(args, flag, measured.get(flag, default))
+
+
+def _links(args: argparse.Namespace) -> int:
+    """`zppc links`: measure on every rank; rank 0 prints (and writes) it."""
+    import torch
+    import torch.distributed as dist
+
+    from zppc.measure import measure_links
+
+    if not dist.is_initialized() and "RANK" not in os.environ:
+        raise SystemExit(
+            "zppc links: run it on every rank under torchrun, e.g. "
+            "torchrun --nproc-per-node 4 -m zppc links"
+        )
+    owned = not dist.is_initialized()
+    if owned:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend)
+    rank = dist.get_rank()
+    try:
+        measured = measure_links(
+            message_bytes=int(args.message_mb * 2**20),
+            repeats=args.repeats,
+            node_size=args.node_size,
+            inter_per_node=args.inter_link == "node",
+        )
+    except ValueError as exc:
+        raise SystemExit(f"zppc links: {exc}") from None
+    finally:
+        if owned:
+            dist.destroy_process_group()
+    if rank == 0:
+        _print_links(measured)
+        if args.output:
+            measured.save(args.output)
+            print(f"wrote {args.output} (zppc schedule --links {args.output})")
+    return 0
+
+
+def _print_links(m) -> None:
+    nodes = m.world_size // m.node_size
+    print(
+        f"links over {m.backend}, {m.world_size} ranks as {nodes} node(s) x {m.node_size}; "
+        f"all-gathers of {m.message_bytes / 2**20:g} MiB and of 4 bytes a rank, slowest rank, "
+        f"median of {m.repeats} (MB = 10^6 bytes):"
+    )
+    print(f"  {'group':<12}{'all-gather':>12}{'4 bytes':>12}  rate")
+    print(f"  {'world':<12}{'':>12}{m.latency_seconds * 1e3:>9.3f} ms  (the latency)")
+    inter_unit = "the node's link" if m.inter_per_node else "a rank's link"
+    for name, seconds, latency, rate, unit in (
+        (
+            "intra-node",
+            m.intra_seconds,
+            m.intra_latency_seconds,
+            m.intra_bytes_per_second,
+            "a rank",
+        ),
+        (
+            "inter-node",
+            m.inter_seconds,
+            m.inter_latency_seconds,
+            m.inter_bytes_per_second,
+            inter_unit,
+        ),
+    ):
+        if seconds is None:
+            print(f"  {name:<12}not measured: no such link in this job")
+            continue
+        print(
+            f"  {name:<12}{seconds * 1e3:>9.3f} ms{latency * 1e3:>9.3f} ms  "
+            f"{rate / 1e6:,.2f} MB/s into {unit}"
+        )
+        if latency > seconds / 2:
+            print(f"    latency over half the time: a larger --message-mb measures the {name} rate")
+    print("zppc schedule flags: " + " ".join(m.schedule_flags()))
+
+
 def _schedule(args: argparse.Namespace) -> int:
+    _fill_link_flags(args)
     other_args = _comparison_args(args) if args.compare else None
     for a in filter(None, (args, other_args)):
         _settings(a)  # every plan's bad input is reported before any plan runs
@@ -565,24 +677,39 @@ def main(argv: list[str] | None = None) -> int:
         default=1024,
         help="tokens each rank computes per step (compute time; the traced FLOPs are scaled to it)",
     )
-    s.add_argument("--intra-bw", default="300GB/s", help="intra-node link per rank, e.g. 600GB/s")
+    # The link flags default to None so that --links can tell what was given.
     s.add_argument(
-        "--inter-bw", default="100Gbit/s", help="inter-node link per rank, e.g. 100Gbit/s"
+        "--intra-bw", default=None, help="intra-node link per rank, e.g. 600GB/s (default 300GB/s)"
     )
-    s.add_argument("--latency", default="5us", help="latency of every collective, e.g. 5us")
+    s.add_argument(
+        "--inter-bw",
+        default=None,
+        help="inter-node link per rank, e.g. 100Gbit/s (default 100Gbit/s)",
+    )
+    s.add_argument(
+        "--latency", default=None, help="latency of every collective, e.g. 5us (default 5us)"
+    )
     s.add_argument(
         "--inter-link",
         choices=["rank", "node"],
-        default="rank",
+        default=None,
         help="what --inter-bw is: each rank's own inter-node link (costs the bytes each rank "
-        "receives), or the node's one link its ranks share (costs the bytes entering the node)",
+        "receives; the default), or the node's one link its ranks share (costs the bytes "
+        "entering the node)",
     )
     s.add_argument(
         "--backend",
         choices=["nccl", "gloo"],
-        default="nccl",
-        help="the collectives' algorithms: gloo runs reduce-scatter as an all-reduce (2x the "
-        "bytes; --reduce-scatter auto plans it as an all-to-all instead, as a gloo run does)",
+        default=None,
+        help="the collectives' algorithms (default nccl): gloo runs reduce-scatter as an "
+        "all-reduce (2x the bytes; --reduce-scatter auto plans it as an all-to-all instead, "
+        "as a gloo run does)",
+    )
+    s.add_argument(
+        "--links",
+        default=None,
+        help="a `zppc links -o` measurement: its rates, latency, --inter-link and --backend "
+        "where those flags are not given",
     )
     s.add_argument("--intra-gbps", type=float, default=None, help=argparse.SUPPRESS)
     s.add_argument("--inter-gbps", type=float, default=None, help=argparse.SUPPRESS)
@@ -622,6 +749,32 @@ def main(argv: list[str] | None = None) -> int:
     )
     s.add_argument("--format", choices=["table", "json", "chrome"], default="table")
     s.add_argument("-o", "--output", default=None, help="write to this file instead of stdout")
+    m = sub.add_parser(
+        "links",
+        help="measure the links as collectives get them (on every rank, under torchrun)",
+        description="Times all-gathers inside and across the nodes on this job's backend and "
+        "prints the rates `zppc schedule` and zppc.cost.Links take. Run it as the training "
+        "job runs: torchrun --nnodes 2 --nproc-per-node 8 ... -m zppc links -o links.json",
+    )
+    m.add_argument(
+        "--message-mb",
+        type=float,
+        default=4.0,
+        help="MiB each rank contributes to a timed all-gather (default 4)",
+    )
+    m.add_argument("--repeats", type=int, default=5, help="timed all-gathers of each kind")
+    m.add_argument(
+        "--node-size", type=int, default=None, help="ranks per node (default LOCAL_WORLD_SIZE)"
+    )
+    m.add_argument(
+        "--inter-link",
+        choices=["rank", "node"],
+        default="rank",
+        help="whether each rank has its own inter-node link (a NIC per GPU) or the node's ranks "
+        "share one (a CPU cluster): the inter-node rate counts the bytes a rank receives, or "
+        "the bytes entering the node",
+    )
+    m.add_argument("-o", "--output", default=None, help="write the measurement as JSON (rank 0)")
     args = parser.parse_args(argv)
     if args.version:
         import zppc
@@ -630,5 +783,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "schedule":
         return _schedule(args)
+    if args.command == "links":
+        return _links(args)
     parser.print_help()
     return 2

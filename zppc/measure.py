@@ -1,0 +1,202 @@
+"""The links as the collectives see them: rates for the cost model, measured.
+
+`zppc.cost.Links` prices a collective at a link's bytes per second. A link's
+nominal speed, or a one-way stream's, is not what a collective gets: on the
+emulated gloo cluster an all-gather, with data flowing both ways at once, gets
+65-80% of a one-way stream's rate (benchmarks/RESULTS.md). `measure_links`
+(every rank calls it; `zppc links` runs it under torchrun) times all-gathers
+over the job's own intra- and cross-node groups, the groups and backend a step
+uses, and reads each as a rate in the cost model's own terms: the bytes a
+collective brings in over a link class, divided by its time less the latency of
+an almost empty all-gather. What it returns plugs into `zppc schedule --links`
+and `CostModel(links, ...)`; every rank returns the same figures (the slowest
+rank's time of each repeat, then the median), so a cost model built from them
+plans the same graph on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from zppc.cost import Links
+from zppc.runtime import compat
+from zppc.runtime.topology import Topology, default_node_size
+
+
+@dataclass(frozen=True)
+class LinkMeasurement:
+    """What `measure_links` timed, and the rates it read from it."""
+
+    backend: str
+    world_size: int
+    node_size: int
+    message_bytes: int
+    """What each rank contributed to a timed all-gather."""
+    repeats: int
+    latency_seconds: float
+    """Median time of an all-gather of 4 bytes a rank over the world group."""
+    intra_seconds: float | None
+    """Median time of the all-gather inside each node, all nodes at once (None:
+    one rank per node)."""
+    intra_latency_seconds: float | None
+    """Median time of an all-gather of 4 bytes a rank inside each node: not
+    counted as transfer time (at most half the all-gather's time is)."""
+    inter_seconds: float | None
+    """Median time of the all-gather across the nodes, every local index at
+    once (None: one node)."""
+    inter_latency_seconds: float | None
+    """The same across the nodes."""
+    intra_bytes_per_second: float | None
+    inter_bytes_per_second: float | None
+    inter_per_node: bool
+    """Whether the inter-node rate is the node's one link (the bytes entering
+    the node) or each rank's own (the bytes it receives)."""
+
+    def links(self, fallback: Links) -> Links:
+        """The cost model's links: the measured rates and latency, `fallback`'s
+        rate for a link class this job has none of."""
+        return Links(
+            self.intra_bytes_per_second or fallback.intra_bytes_per_second,
+            self.inter_bytes_per_second or fallback.inter_bytes_per_second,
+            self.latency_seconds,
+            inter_per_node=self.inter_per_node,
+            gloo=self.backend == "gloo",
+        )
+
+    def schedule_flags(self) -> list[str]:
+        """The `zppc schedule` flags that plan with these links."""
+        flags = [f"--latency={self.latency_seconds * 1e6:.0f}us"]
+        if self.intra_bytes_per_second:
+            flags.append(f"--intra-bw={self.intra_bytes_per_second / 1e6:.4g}MB/s")
+        if self.inter_bytes_per_second:
+            flags.append(f"--inter-bw={self.inter_bytes_per_second / 1e6:.4g}MB/s")
+        inter_link = "node" if self.inter_per_node else "rank"
+        backend = "gloo" if self.backend == "gloo" else "nccl"
+        return [*flags, f"--inter-link={inter_link}", f"--backend={backend}"]
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> LinkMeasurement:
+        try:
+            fields = json.loads(Path(path).read_text())
+            return cls(**fields)
+        except (OSError, ValueError, TypeError) as exc:
+            raise ValueError(f"cannot read a link measurement from {path}: {exc}") from None
+
+
+def measure_links(
+    message_bytes: int = 4 * 2**20,
+    repeats: int = 5,
+    node_size: int | None = None,
+    inter_per_node: bool = False,
+) -> LinkMeasurement:
+    """Time all-gathers inside and across the nodes (collective: every rank
+    calls it with the same arguments, after `init_process_group`). Nodes are
+    blocks of `node_size` consecutive ranks (default LOCAL_WORLD_SIZE).
+    `inter_per_node`: the node's ranks share one inter-node link (a CPU
+    cluster's NIC), so the rate is the bytes entering the node; otherwise each
+    rank has its own (a GPU per NIC) and the rate is the bytes it receives."""
+    if not dist.is_initialized():
+        raise ValueError("measure_links needs torch.distributed initialised (run under torchrun)")
+    world = dist.get_world_size()
+    node_size = node_size or default_node_size(world)
+    if message_bytes < 4 or repeats < 1:
+        raise ValueError(
+            f"measure_links needs message_bytes >= 4 and repeats >= 1, got {message_bytes}, {repeats}"
+        )
+    if world % node_size:
+        raise ValueError(
+            f"measure_links needs world_size % node_size == 0, got {world} % {node_size}"
+        )
+    topology = Topology(world, node_size)
+    nodes = topology.num_nodes
+    backend = dist.get_backend()
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if backend == "nccl"
+        else torch.device("cpu")
+    )
+    # Every rank creates every group, in the same order.
+    intra, _ = dist.new_subgroups_by_enumeration(topology.intra_node_groups())
+    cross, _ = dist.new_subgroups_by_enumeration(topology.cross_node_groups())
+    try:
+        latency = _median_seconds(dist.group.WORLD, 4, repeats, device)
+        intra_seconds, intra_latency, intra_rate = (
+            _timed_rate(intra, message_bytes, repeats, device, node_size - 1)
+            if node_size > 1
+            else (None, None, None)
+        )
+        sharing = node_size if inter_per_node else 1
+        inter_seconds, inter_latency, inter_rate = (
+            _timed_rate(cross, message_bytes, repeats, device, sharing * (nodes - 1))
+            if nodes > 1
+            else (None, None, None)
+        )
+    finally:
+        for group in (intra, cross):
+            dist.destroy_process_group(group)
+    return LinkMeasurement(
+        backend=backend,
+        world_size=world,
+        node_size=node_size,
+        message_bytes=message_bytes,
+        repeats=repeats,
+        latency_seconds=latency,
+        intra_seconds=intra_seconds,
+        intra_latency_seconds=intra_latency,
+        inter_seconds=inter_seconds,
+        inter_latency_seconds=inter_latency,
+        intra_bytes_per_second=intra_rate,
+        inter_bytes_per_second=inter_rate,
+        inter_per_node=inter_per_node,
+    )
+
+
+def _timed_rate(
+    group: dist.ProcessGroup, nbytes: int, repeats: int, device: torch.device, chunks_in: int
+) -> tuple[float, float, float]:
+    """(the median time of an all-gather of `nbytes` a rank over `group`, that
+    of one of 4 bytes, the rate of the `chunks_in` chunks it brings over the
+    link it measures). The
+    group's own latency (an all-gather of 4 bytes on it) is not transfer time;
+    at most half the time counts as latency, so a message too small for the
+    link reads as a rate too low, never as an infinite one."""
+    seconds = _median_seconds(group, nbytes, repeats, device)
+    latency = _median_seconds(group, 4, repeats, device)
+    return seconds, latency, chunks_in * nbytes / max(seconds - latency, seconds / 2)
+
+
+def _median_seconds(
+    group: dist.ProcessGroup, nbytes: int, repeats: int, device: torch.device
+) -> float:
+    """The median over `repeats` of the slowest rank's time for one all-gather
+    of `nbytes` a rank over `group` (after one untimed)."""
+    mine = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    out = torch.empty(nbytes * group.size(), dtype=torch.uint8, device=device)
+    times = torch.zeros(repeats, dtype=torch.float64, device=device)
+    for i in range(-1, repeats):
+        dist.barrier()
+        _synchronize(device)
+        start = time.perf_counter()
+        compat.all_gather_single(out, mine, group=group)
+        _synchronize(device)
+        if i >= 0:
+            times[i] = time.perf_counter() - start
+    # A collective ends for everyone when its slowest rank is done.
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return statistics.median(times.tolist())
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
