@@ -17,9 +17,11 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 class ClusterError(RuntimeError):
@@ -185,6 +187,20 @@ class EmulatedCluster:
         out, _ = recv.communicate(timeout=120)
         received, seconds = out.split()
         return int(received) * 8 / float(seconds)
+
+    def measure_collectives(
+        self, ranks_per_node: int, message_mb: float = 4.0, repeats: int = 5
+    ) -> dict:
+        """`zppc links` run on the cluster (`--inter-link node`: the node's one
+        link): the rates all-gathers inside and across the nodes get, what the
+        cost model should price (data both ways at once gets less of this
+        link than `measure_link`'s one-way stream)."""
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "links.json"
+            script = ["-m", "zppc", "links", "--inter-link=node", f"--node-size={ranks_per_node}"]
+            script += [f"--message-mb={message_mb}", f"--repeats={repeats}", f"--output={out}"]
+            self.launch(ranks_per_node, script, env={"PYTHONUNBUFFERED": "1"}, timeout=600)
+            return json.loads(out.read_text())
 
     def launch(
         self, ranks_per_node: int, script: list[str], env: dict[str, str], timeout: float

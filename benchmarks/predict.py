@@ -4,7 +4,9 @@
 
 For every zppc row of the run (benchmarks/run.py's bench.json) it plans the
 same model, world, topology and configuration with the cost model read as
-the cluster is built: the measured inter-node rate is the node's one link
+the cluster is built: the measured inter-node rate (the all-gathers' rate
+`zppc links` measured, where the run recorded one: runs since the
+thirty-fifth; else the one-way stream's) is the node's one link
 (`--inter-link node`), gloo's algorithms (`--backend gloo`), the graph the
 eager lowering runs on CPU (`--kernels torch`: quantization as the torch
 reference's aten ops), and each op charged the longer of its FLOPs and its
@@ -144,7 +146,7 @@ def predictions(
     # the measured step minus that link time.
     fastest = links[0]
     measured = next(r for link, r in rows if link is fastest and r["config"] == calibrate)
-    bits = fastest["measured_bits_per_second"]
+    bits = link_bits(fastest)
     probe = plan(run_args, calibrate, bits, rates)
     slowdown = solve_slowdown(
         lambda s: plan(run_args, calibrate, bits, _scaled(rates, s))["step_seconds"],
@@ -165,11 +167,12 @@ def predictions(
     }
     table = []
     for link, row in rows:
-        totals = plan(run_args, row["config"], link["measured_bits_per_second"], cluster_rates)
+        totals = plan(run_args, row["config"], link_bits(link), cluster_rates)
         table.append(
             {
                 "link": link["rate"],
-                "measured_bits_per_second": link["measured_bits_per_second"],
+                "measured_bits_per_second": link_bits(link),
+                "priced": "all-gathers" if "collective_bits_per_second" in link else "one-way",
                 "config": row["config"],
                 "calibration": link is fastest and row["config"] == calibrate,
                 "measured_seconds": row["median_step_seconds"],
@@ -177,6 +180,12 @@ def predictions(
             }
         )
     return calibration, table
+
+
+def link_bits(link: dict) -> float:
+    """The rate a link's plan prices: the all-gathers' where the run measured
+    it, else the one-way stream's."""
+    return link.get("collective_bits_per_second", link["measured_bits_per_second"])
 
 
 def _scaled(rates: dict, slowdown: float) -> dict:
@@ -230,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in table:
         error = r["predicted_seconds"] / r["measured_seconds"] - 1
         print(
-            f"| {r['link']} ({r['measured_bits_per_second'] / 1e6:.1f} Mbit/s) | {r['config']}"
+            f"| {r['link']} ({r['measured_bits_per_second'] / 1e6:.1f} Mbit/s {r['priced']}) | {r['config']}"
             f"{' (calibration)' if r['calibration'] else ''} | {r['measured_seconds']:.3f} | "
             f"{r['predicted_seconds']:.3f} | {error:+.0%} |"
         )

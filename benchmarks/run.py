@@ -219,7 +219,8 @@ def run_row_retrying(cluster: EmulatedCluster, name: str, args) -> dict:
 
 def merge_runs(rate: str, runs: list[dict]) -> dict:
     """One link's entry from its runs (one per repeat, rows in the same order):
-    the median of the measured rates, and for each row its median run by
+    the median of the measured rates (the one-way stream's and the
+    all-gathers' the cost model prices), and for each row its median run by
     median step time (the lower middle one of an even count; failed runs do
     not count). With more than one run each row keeps `runs`, every run's
     status, step, link rate, whether it was retried and a failed run's log,
@@ -235,6 +236,13 @@ def merge_runs(rate: str, runs: list[dict]) -> dict:
     }
     if len(runs) > 1:
         link["measured_bits_per_second_runs"] = measured
+    collective = [
+        run["collective_bits_per_second"] for run in runs if "collective_bits_per_second" in run
+    ]
+    if collective:
+        link["collective_bits_per_second"] = statistics.median(collective)
+        if len(runs) > 1:
+            link["collective_bits_per_second_runs"] = collective
     for rows in zip(*(run["rows"] for run in runs), strict=True):
         ran_alone = any("comm_only" in r for r in rows)
         done = sorted(
@@ -297,11 +305,22 @@ def main(argv=None) -> int:
     for repeat in range(args.repeats):
         for rate in rates:
             with EmulatedCluster(nodes=args.nodes, rate=rate, latency=args.latency) as cluster:
-                measured = args.link_bits_per_second = cluster.measure_link()
+                measured = cluster.measure_link()
+                # The cost model's rows price the rate collectives get (zppc links).
+                links = cluster.measure_collectives(args.ranks_per_node)
+                collective = args.link_bits_per_second = 8 * links["inter_bytes_per_second"]
                 which = f" (run {repeat + 1} of {args.repeats})" if args.repeats > 1 else ""
-                print(f"link {rate}{which}: measured {measured / 1e6:,.1f} Mbit/s", flush=True)
+                print(
+                    f"link {rate}{which}: measured {measured / 1e6:,.1f} Mbit/s one way, "
+                    f"{collective / 1e6:,.1f} Mbit/s into a node by all-gathers",
+                    flush=True,
+                )
                 runs[rate].append(
-                    {"measured_bits_per_second": measured, "rows": run_rows(cluster, names, args)}
+                    {
+                        "measured_bits_per_second": measured,
+                        "collective_bits_per_second": collective,
+                        "rows": run_rows(cluster, names, args),
+                    }
                 )
             removed = removed and not cluster.exists()
     report["links"] = [merge_runs(rate, runs[rate]) for rate in rates]
@@ -324,8 +343,11 @@ def print_table(report: dict, args) -> None:
     )
     for link in report["links"]:
         rows = {r["config"]: r for r in link["rows"] if r["status"] == "ok"}
+        collective = link.get("collective_bits_per_second")
+        by_gathers = f"; {collective / 1e6:,.1f} by all-gathers" if collective else ""
         print(
-            f"### inter-node link {link['rate']} (measured {link['measured_bits_per_second'] / 1e6:,.1f} Mbit/s)\n"
+            f"### inter-node link {link['rate']} (measured {link['measured_bits_per_second'] / 1e6:,.1f} Mbit/s"
+            f"{by_gathers})\n"
         )
         print(
             "| configuration | step (s) | tokens/s | vs FSDP2 | vs zppc zero3 | wire MB/step | ledger MB/step "

@@ -198,7 +198,8 @@ def build(name: str, model, args):
 
 def cluster_cost_model(args):
     """The emulated cluster as benchmarks/predict.py reads it: the node's one
-    shaped link at its measured rate, gloo's algorithms, loopback within a
+    shaped link at the rate all-gathers get on it (run.py measures it with
+    `zppc links`; older runs passed a one-way stream's), gloo's algorithms, loopback within a
     node (free next to it), and a rank's share of the cores."""
     from zppc.cost import Compute, CostModel, Links
 

@@ -45,6 +45,8 @@ def test_quick_run_builds_measures_and_removes_the_cluster(tmp_path):
     (link,) = report["links"]
     # The shaped link really limits bandwidth.
     assert abs(link["measured_bits_per_second"] / link["set_bits_per_second"] - 1) <= 0.2
+    # zppc links ran on the cluster: all-gathers into a node get no more than the link.
+    assert 0 < link["collective_bits_per_second"] <= 1.2 * link["set_bits_per_second"]
     rows = {r["config"]: r for r in link["rows"]}
     assert set(rows) == {
         "torch-fsdp2",
@@ -123,6 +125,13 @@ def test_predict_plans_a_row_at_its_own_bucket_cap():
     assert schedule_flags("zppc-zero3") == ["--strategy", "zero3"]
     # Config fields that are off by flag: their row plans with that flag.
     assert schedule_flags("zppc-zero3-no-edge") == ["--strategy", "zero3", "--no-edge-buckets"]
+
+
+def test_predict_prices_the_all_gathers_rate_where_a_run_measured_it():
+    from predict import link_bits
+
+    assert link_bits({"measured_bits_per_second": 48e6}) == 48e6
+    assert link_bits({"measured_bits_per_second": 48e6, "collective_bits_per_second": 38e6}) == 38e6
 
 
 def test_predict_refuses_an_inductor_run():
@@ -234,13 +243,18 @@ def test_repeated_runs_report_each_rows_median_run(capsys):
         ],
     ]
     slow = [
-        {"measured_bits_per_second": bits, "rows": rows}
+        {"measured_bits_per_second": bits, "collective_bits_per_second": 0.8 * bits, "rows": rows}
         for bits, rows in zip((50e6, 40e6, 60e6), slow_rows, strict=True)
     ]
     links = [run.merge_runs("10gbit", fast), run.merge_runs("50mbit", slow)]
     zero3, fsdp2 = links[1]["rows"]
     assert links[1]["measured_bits_per_second"] == 50e6
     assert links[1]["measured_bits_per_second_runs"] == [50e6, 40e6, 60e6]
+    # The all-gathers' rate (zppc links, what the cost model prices) likewise;
+    # a run without one (recorded before it) has none.
+    assert links[1]["collective_bits_per_second"] == pytest.approx(40e6)
+    assert links[1]["collective_bits_per_second_runs"] == pytest.approx([40e6, 32e6, 48e6])
+    assert "collective_bits_per_second" not in links[0]
     assert zero3["median_step_seconds"] == 7.5 and links[0]["rows"][0]["median_step_seconds"] == 6.0
     assert [r["median_step_seconds"] for r in zero3["runs"]] == [6.5, 9.0, 7.5]
     # Two runs left: the lower middle one.
