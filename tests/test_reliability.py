@@ -83,6 +83,9 @@ def test_nan_on_one_rank_skips_the_step_on_every_rank_or_raises():
             assert r["steps_after"] == r["steps_before"], f"{variant} rank {rank}: AdamW moved"
             assert r["grads_kept"], "the user's gradients were not given back"
             assert len(r["warnings"]) == 1 and "ranks [2]" in r["warnings"][0], r["warnings"]
+            # Each rank names its own parameters with a non-finite gradient.
+            mine = "l1.weight" if rank == 2 else "none"
+            assert f"(this rank: {mine})" in r["warnings"][0], r["warnings"]
             assert r["skipped"] == 1
             assert _same(r["final"], results[0]["final"])
             assert all(torch.isfinite(p).all() for p in r["final"].values())

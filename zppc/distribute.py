@@ -533,7 +533,9 @@ def _skip_nonfinite_steps(optimizer, args, kwargs) -> None:
         bad_ranks, names = _nonfinite_gradients(state)
         if not bad_ranks:
             continue
-        where = f"non-finite gradients on ranks {bad_ranks} (this rank: {names or 'none'})"
+        where = (
+            f"non-finite gradients on ranks {bad_ranks} (this rank: {', '.join(names) or 'none'})"
+        )
         if state.config.nonfinite_grads == "raise":
             raise FloatingPointError(f"zppc: {where}; Config(nonfinite_grads='raise')")
         warnings.warn(f"zppc: skipping this optimizer step on every rank: {where}", stacklevel=3)
@@ -559,7 +561,9 @@ def _nonfinite_gradients(state: DistributedState) -> tuple[list[int], list[str]]
     if named:
         # The largest magnitude per tensor: inf and NaN survive it, finite values cannot overflow.
         peaks = torch._foreach_norm([g for _, g in named], float("inf"))
-        names = [fqn for (fqn, _), peak in zip(named, peaks, strict=True) if not peak.isfinite()]
+        # One device-to-host copy for every tensor, not one per tensor.
+        finite = torch.stack([peak.float() for peak in peaks]).isfinite().tolist()
+        names = [fqn for (fqn, _), ok in zip(named, finite, strict=True) if not ok]
     device = next((f.device for f in state.flat_shards.values()), torch.device("cpu"))
     flags = torch.zeros(state.topology.world_size, dtype=torch.int32, device=device)
     mine = torch.tensor([int(bool(names))], dtype=torch.int32, device=flags.device)
