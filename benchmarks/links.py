@@ -7,7 +7,8 @@ run's measured communication-alone time.
         --bench benchmarks/results/bench_comm_alone_50mbit.json
 
 Needs root (benchmarks/cluster.py). `--bench`: a benchmarks/run.py report with
-`--comm-batch-size` rows on the same cluster shape and link; each of its zppc
+`--comm-batch-size` rows (or one run at `--batch-size 1`) on the same cluster
+shape and link; each of its zppc
 rows is planned (`zppc schedule`, as benchmarks/predict.py reads the cluster)
 at both rates, and its communication-only time (the small-batch step on the
 link less the one on the fastest link) is the measurement.
@@ -68,14 +69,24 @@ def compare(record: dict, bench: dict) -> None:
     print("|---|---:|---:|---:|---:|---:|")
     for row in slow["rows"]:
         fast = fastest.get(row["config"], {})
-        if schedule_flags(row["config"]) is None or "comm_only_step_seconds" not in row:
+        if schedule_flags(row["config"]) is None or alone(row, run_args) is None:
             continue
-        measured = row["comm_only_step_seconds"] - fast["comm_only_step_seconds"]
+        measured = alone(row, run_args) - alone(fast, run_args)
         cells = []
         for bits in (record["stream_bits_per_second"], collective_bits):
             planned = plan(run_args, row["config"], bits, rates)["communication_seconds"]
             cells.append(f"{planned:.3f} | {planned / measured - 1:+.0%}")
         print(f"| {row['config']} | {measured:.3f} | {' | '.join(cells)} |")
+
+
+def alone(row: dict, run_args: dict) -> float | None:
+    """A row's step with next to no compute: its `--comm-batch-size` run's, or
+    its own in a run made at batch 1."""
+    if row.get("status") != "ok":
+        return None
+    if "comm_only_step_seconds" in row:
+        return row["comm_only_step_seconds"]
+    return row["median_step_seconds"] if run_args.get("batch_size") == "1" else None
 
 
 def main(argv: list[str] | None = None) -> int:
