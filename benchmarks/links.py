@@ -25,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from cluster import EmulatedCluster  # noqa: E402
-from predict import plan, schedule_flags  # noqa: E402
+from predict import RECORDED_RATES, plan, schedule_flags  # noqa: E402
 
 
 def measure(args) -> dict:
@@ -52,9 +52,7 @@ def compare(record: dict, bench: dict) -> None:
     links = sorted(bench["links"], key=lambda link: -link["measured_bits_per_second"])
     fastest = {row["config"]: row for row in links[0]["rows"]}
     slow = next(link for link in links if link["rate"] == record["inter_bw"])
-    rates = bench.get("machine_rates") or json.loads(
-        (HERE / "results/machine_rates.json").read_text()
-    )
+    rates = bench.get("machine_rates") or json.loads(RECORDED_RATES.read_text())
     collective_bits = 8 * record["links"]["inter_bytes_per_second"]
     print(
         f"\ninter-node link {record['inter_bw']}: one-way stream "
@@ -68,10 +66,10 @@ def compare(record: dict, bench: dict) -> None:
     )
     print("|---|---:|---:|---:|---:|---:|")
     for row in slow["rows"]:
-        fast = fastest.get(row["config"], {})
-        if schedule_flags(row["config"]) is None or alone(row, run_args) is None:
+        slow_step = alone(row, run_args)
+        if schedule_flags(row["config"]) is None or slow_step is None:
             continue
-        measured = alone(row, run_args) - alone(fast, run_args)
+        measured = slow_step - alone(fastest.get(row["config"], {}), run_args)
         cells = []
         for bits in (record["stream_bits_per_second"], collective_bits):
             planned = plan(run_args, row["config"], bits, rates)["communication_seconds"]

@@ -395,15 +395,7 @@ def _fill_link_flags(args: argparse.Namespace) -> None:
             link = LinkMeasurement.load(args.links)
         except ValueError as exc:
             raise SystemExit(f"zppc schedule: {exc}") from None
-        measured = {
-            "latency": f"{link.latency_seconds}s",
-            "inter_link": "node" if link.inter_per_node else "rank",
-            "backend": "gloo" if link.backend == "gloo" else "nccl",
-        }
-        if link.intra_bytes_per_second:
-            measured["intra_bw"] = f"{link.intra_bytes_per_second}B/s"
-        if link.inter_bytes_per_second:
-            measured["inter_bw"] = f"{link.inter_bytes_per_second}B/s"
+        measured = link.schedule_settings(exact=True)
     for flag, default in _LINK_DEFAULTS.items():
         if getattr(args, flag) is None:
             setattr(args, flag, measured.get(flag, default))

@@ -71,16 +71,23 @@ class LinkMeasurement:
             gloo=self.backend == "gloo",
         )
 
+    def schedule_settings(self, exact: bool = False) -> dict[str, str]:
+        """The `zppc schedule` link settings these links give, by option name
+        (`intra_bw`, ...): rounded to read and type, or `exact`."""
+        rate = (lambda r: f"{r}B/s") if exact else (lambda r: f"{r / 1e6:.4g}MB/s")
+        latency = self.latency_seconds
+        settings = {"latency": f"{latency}s" if exact else f"{latency * 1e6:.0f}us"}
+        if self.intra_bytes_per_second:
+            settings["intra_bw"] = rate(self.intra_bytes_per_second)
+        if self.inter_bytes_per_second:
+            settings["inter_bw"] = rate(self.inter_bytes_per_second)
+        settings["inter_link"] = "node" if self.inter_per_node else "rank"
+        settings["backend"] = "gloo" if self.backend == "gloo" else "nccl"
+        return settings
+
     def schedule_flags(self) -> list[str]:
         """The `zppc schedule` flags that plan with these links."""
-        flags = [f"--latency={self.latency_seconds * 1e6:.0f}us"]
-        if self.intra_bytes_per_second:
-            flags.append(f"--intra-bw={self.intra_bytes_per_second / 1e6:.4g}MB/s")
-        if self.inter_bytes_per_second:
-            flags.append(f"--inter-bw={self.inter_bytes_per_second / 1e6:.4g}MB/s")
-        inter_link = "node" if self.inter_per_node else "rank"
-        backend = "gloo" if self.backend == "gloo" else "nccl"
-        return [*flags, f"--inter-link={inter_link}", f"--backend={backend}"]
+        return [f"--{k.replace('_', '-')}={v}" for k, v in self.schedule_settings().items()]
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=1) + "\n")
