@@ -20,7 +20,9 @@ thread alone does not see), writes the Chrome trace (Perfetto opens the .json.gz
 prints, per step phase, the collectives' busy time and the part of it during
 which the main thread computed (was in no wait), plus each collective
 still in flight when the backward that issued it ended (OSP's stage 2): how
-much of it ran under the next step's optimizer and forward.
+much of it ran under the next step's optimizer and forward, and the longest
+stretches in which no collective ran (the link idle: on a step the link
+bounds, each is step time until the schedule moves a collective into it).
 
 With `--every-rank` every rank writes its trace (`_rank<r>` added to the
 name) and the summary adds each step phase's start and end on every rank,
@@ -86,6 +88,18 @@ def clip_all(intervals, windows):
     return union([piece for lo, hi in windows for piece in clip(intervals, lo, hi)])
 
 
+def gaps(intervals, lo: float, hi: float) -> list[tuple[float, float]]:
+    """The parts of [lo, hi] that a sorted union of intervals leaves uncovered."""
+    found, at = [], lo
+    for a, b in clip(intervals, lo, hi):
+        if a > at:
+            found.append((at, a))
+        at = max(at, b)
+    if at < hi:
+        found.append((at, hi))
+    return found
+
+
 def analyse(events: list[dict]) -> dict:
     """Step phases, waits and collectives (microseconds) read off a Chrome trace."""
     spans = [e for e in events if e.get("ph") == "X"]
@@ -107,7 +121,7 @@ def analyse(events: list[dict]) -> dict:
     def hidden(intervals) -> float:
         return length(intervals) - overlap(intervals, waits)
 
-    phases = {}
+    phases, idle = {}, []
     for name, (lo, hi) in sorted(marks.items(), key=lambda kv: kv[1]):
         in_phase = clip(busy, lo, hi)
         phases[name] = {
@@ -116,6 +130,10 @@ def analyse(events: list[dict]) -> dict:
             "communication_seconds": length(in_phase) / 1e6,
             "hidden_seconds": hidden(in_phase) / 1e6,
         }
+        idle += [
+            {"phase": name, "after_start_seconds": (a - lo) / 1e6, "seconds": (b - a) / 1e6}
+            for a, b in gaps(busy, lo, hi)
+        ]
     # Issued by the first step's backward and still in flight when it ended.
     lo, hi = marks["step 1 backward"]
     carried = [(a, b, name) for a, b, name in comms if lo <= a < hi < b]
@@ -126,6 +144,10 @@ def analyse(events: list[dict]) -> dict:
         "phases": phases,
         "communication_seconds": length(within) / 1e6,
         "hidden_seconds": hidden(within) / 1e6,
+        # Where no collective ran, longest first: on a step the link bounds,
+        # each of these is step time that no schedule of the same collectives
+        # can take back without moving one into it.
+        "link_idle": sorted(idle, key=lambda gap: -gap["seconds"])[:IDLE_GAPS_SHOWN],
         "carried_past_backward": [
             {
                 "collective": name,
@@ -137,6 +159,8 @@ def analyse(events: list[dict]) -> dict:
         ],
     }
 
+
+IDLE_GAPS_SHOWN = 8
 
 GPU_ACTIVITY = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -368,17 +392,25 @@ def report_cpu(args, result: dict, world: int) -> None:
         "communication = time some gloo collective was running; hidden = the part of it "
         "during which the main thread computed (was in no wait)\n"
     )
-    print("| phase | seconds | waiting s | communication s | hidden s | hidden share |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print(
+        "| phase | seconds | waiting s | communication s | hidden s | hidden share | link idle s |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for name, ph in result["phases"].items():
         comm = ph["communication_seconds"]
         share = ph["hidden_seconds"] / comm if comm else 0
         print(
             f"| {name} | {ph['seconds']:.3f} | {ph['waiting_seconds']:.3f} | {comm:.3f} "
-            f"| {ph['hidden_seconds']:.3f} | {share:.0%} |"
+            f"| {ph['hidden_seconds']:.3f} | {share:.0%} | {ph['seconds'] - comm:.3f} |"
         )
     total, hidden = result["communication_seconds"], result["hidden_seconds"]
-    print(f"| all | | | {total:.3f} | {hidden:.3f} | {hidden / total if total else 0:.0%} |")
+    print(f"| all | | | {total:.3f} | {hidden:.3f} | {hidden / total if total else 0:.0%} | |")
+    print("\nlongest stretches with no collective running (the link idle):")
+    for gap in result["link_idle"]:
+        print(
+            f"  {gap['seconds']:.3f} s in {gap['phase']}, from {gap['after_start_seconds']:.3f} s "
+            "after its start"
+        )
     carried = result["carried_past_backward"]
     print(f"\ncollectives issued by step 1's backward and still running after it: {len(carried)}")
     for c in carried:

@@ -49,6 +49,17 @@ def test_hidden_is_communication_while_the_main_thread_waits_for_nothing():
     assert carried["under"] == pytest.approx(
         {"optimizer": 50e-6, "forward": 30e-6, "backward": 0.0}
     )
+    # The link idle, longest first: where no collective ran inside a phase.
+    idle = result["link_idle"]
+    assert [g["phase"] for g in idle] == [
+        "step 2 backward",
+        "step 1 backward",
+        "step 2 forward",
+        "step 1 forward",
+        "step 2 optimizer",
+    ]
+    assert [g["seconds"] for g in idle] == pytest.approx([200e-6, 150e-6, 70e-6, 60e-6, 50e-6])
+    assert [g["after_start_seconds"] for g in idle] == pytest.approx([0, 0, 30e-6, 40e-6, 0])
 
 
 @pytest.mark.timeout(600)
