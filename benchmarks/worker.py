@@ -10,6 +10,7 @@ over ranks (zppc configurations only).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -63,6 +64,9 @@ CONFIGS: dict[str, tuple[str, dict | None]] = {
     # and compute rates) says still hides them, up to two buckets ahead.
     "zppc-zero3-cost": ("zppc", {"strategy": "zero3", "prefetch": 2, "cost_model": "cluster"}),
     "zppc-zero3-prefetch2": ("zppc", {"strategy": "zero3", "prefetch": 2}),
+    # The same planning with the rates zppc.measure.measure_cost_model takes
+    # inside the job (the ranks' compute measured together, no calibration).
+    "zppc-zero3-measured": ("zppc", {"strategy": "zero3", "prefetch": 2, "cost_model": "measured"}),
     "zppc-zero3-qwz-int8": ("zppc", {"strategy": "zero3", "qwz": "int8"}),
     "zppc-zero3-qwz-int4": ("zppc", {"strategy": "zero3", "qwz": "int4"}),
     "zppc-zero3-hpz": ("zppc", {"strategy": "zero3", "hpz": True}),
@@ -188,9 +192,14 @@ def build(name: str, model, args):
     if args.bucket_mb is not None and "bucket_bytes" not in fields:
         fields = {**fields, "bucket_bytes": int(args.bucket_mb * 2**20)}
     fields = {"reduce_scatter": args.reduce_scatter, **fields}
+    node_size = getattr(args, "node_size", None) or int(os.environ["LOCAL_WORLD_SIZE"])
     if fields.get("cost_model") == "cluster":
         fields["cost_model"] = cluster_cost_model(args)
-    node_size = getattr(args, "node_size", None) or int(os.environ["LOCAL_WORLD_SIZE"])
+    elif fields.get("cost_model") == "measured":
+        from zppc.measure import measure_cost_model
+
+        # The emulated nodes' ranks share one link.
+        fields["cost_model"] = measure_cost_model(node_size=node_size, inter_per_node=True)
     config = zppc.Config(**{"lowering": args.lowering, **fields}, node_size=node_size)
     zppc.distribute(model, config)
     return torch.compile(model, backend="zppc"), torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -292,6 +301,9 @@ def main() -> None:
             "warmup_steps": args.warmup,
             "lowering": state_of(model).config.lowering if kind == "zppc" else None,
         }
+        cost_model = state_of(model).config.cost_model if kind == "zppc" else None
+        if cost_model is not None:  # the rates it planned with, measured or given
+            result["cost_model"] = dataclasses.asdict(cost_model)
         with open(args.result, "w") as f:
             json.dump(result, f)
     dist.destroy_process_group()

@@ -1,5 +1,7 @@
 """`measure_links` / `zppc links`: the links' rates as all-gathers over the
-job's own groups get them, and `zppc schedule --links` planning with them."""
+job's own groups get them, and `zppc schedule --links` planning with them;
+`measure_compute` / `measure_cost_model`: the compute rates and a whole cost
+model measured the same way."""
 
 from __future__ import annotations
 
@@ -7,11 +9,18 @@ import json
 
 import pytest
 from spawn import run_ranks
-from workers import measure_links_on_ranks
+from workers import measure_compute_on_ranks, measure_cost_model_on_ranks, measure_links_on_ranks
 
 from zppc.cli import main
-from zppc.cost import DEFAULT_LINKS
-from zppc.measure import LinkMeasurement, measure_links
+from zppc.cost import DEFAULT_LINKS, Compute, CostModel, Links
+from zppc.measure import (
+    ELEMENTWISE_BYTES,
+    MATMUL_SIDE,
+    LinkMeasurement,
+    measure_compute,
+    measure_cost_model,
+    measure_links,
+)
 
 MESSAGE = 256 * 1024
 
@@ -34,7 +43,9 @@ def test_every_rank_measures_the_same_links_on_two_nodes_of_two(inter_per_node):
     inter = MESSAGE / _transfer(m.inter_seconds, m.inter_latency_seconds)
     assert m.intra_bytes_per_second == pytest.approx(intra)
     assert m.inter_bytes_per_second == pytest.approx(inter * (2 if inter_per_node else 1))
-    assert 0 < m.latency_seconds and 0 < m.intra_latency_seconds <= 2 * m.intra_seconds
+    # On loopback a 4-byte all-gather can take longer than the message's (two
+    # repeats each): the rates above then count half the time as latency.
+    assert 0 < m.latency_seconds and 0 < m.intra_latency_seconds and 0 < m.inter_latency_seconds
     links = m.links(DEFAULT_LINKS)
     assert links.gloo and links.inter_per_node is inter_per_node
     assert links.latency_seconds == m.latency_seconds
@@ -57,9 +68,53 @@ def test_uneven_nodes_are_refused_on_every_rank_before_any_collective():
     assert results == ["ValueError: measure_links needs world_size % node_size == 0, got 4 % 3"] * 4
 
 
+@pytest.mark.multiproc
+def test_every_rank_measures_the_same_compute_rates_in_the_cost_models_units():
+    results = run_ranks(measure_compute_on_ranks, 2, "float32")
+    rates = [r[0] for r in results]
+    assert rates[0] == rates[1], "ranks measured different compute rates"
+    compute = Compute(**rates[0])
+    # The slowest rank's median, against one more run each rank timed itself
+    # (both ranks at once again): the same figure to within the noise of a
+    # shared machine, so FLOPs and bytes are counted in the cost model's units.
+    slowest_matmul = max(r[1] for r in results)
+    slowest_add = max(r[2] for r in results)
+    assert compute.flops_per_second == pytest.approx(
+        2 * MATMUL_SIDE["cpu"] ** 3 / slowest_matmul, rel=0.75
+    )
+    assert compute.memory_bytes_per_second == pytest.approx(
+        2 * ELEMENTWISE_BYTES / slowest_add, rel=0.75
+    )
+
+
+@pytest.mark.multiproc
+def test_a_compute_measurement_of_an_integer_dtype_is_refused_on_every_rank():
+    results = run_ranks(measure_compute_on_ranks, 2, "int8")
+    assert (
+        results
+        == [
+            "ValueError: measure_compute needs repeats >= 1 and a floating dtype, got 3, torch.int8"
+        ]
+        * 2
+    )
+
+
+@pytest.mark.multiproc
+def test_a_measured_cost_model_is_the_same_on_every_rank():
+    results = run_ranks(measure_cost_model_on_ranks, 4, 2)
+    assert all(r == results[0] for r in results), "ranks measured different cost models"
+    model = CostModel(Links(**results[0]["links"]), Compute(**results[0]["compute"]))
+    assert model.links.gloo and model.links.inter_per_node
+    assert model.links.intra_bytes_per_second != DEFAULT_LINKS.intra_bytes_per_second
+    assert model.links.latency_seconds > 0 and model.compute.flops_per_second > 0
+
+
 def test_measuring_needs_a_process_group_and_the_cli_needs_torchrun(monkeypatch):
     with pytest.raises(ValueError, match="needs torch.distributed initialised"):
         measure_links()
+    for measure in (measure_compute, measure_cost_model):
+        with pytest.raises(ValueError, match=f"{measure.__name__} needs torch.distributed"):
+            measure()
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(SystemExit, match="run it on every rank under torchrun"):
         main(["links"])

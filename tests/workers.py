@@ -650,3 +650,51 @@ def measure_links_on_ranks(rank, world, node_size, inter_per_node, message_bytes
     # Still in step: every rank measured, and the world group carries on.
     dist.barrier()
     return dataclasses.asdict(measured)
+
+
+def measure_compute_on_ranks(rank, world, dtype_name):
+    """This rank's `measure_compute` as a dict, with the median seconds of
+    five more matrix products and adds of the probes' sizes (into outputs
+    allocated once, as the probes write) this rank timed itself (the ranks
+    again at once), or the ValueError it raised."""
+    import dataclasses
+    import statistics
+    import time
+
+    from zppc.measure import ELEMENTWISE_BYTES, MATMUL_SIDE, measure_compute
+
+    try:
+        measured = measure_compute(getattr(torch, dtype_name), 3)
+    except ValueError as exc:
+        return f"ValueError: {exc}"
+    side = MATMUL_SIDE["cpu"]
+    a, b, product = torch.randn(side, side), torch.randn(side, side), torch.empty(side, side)
+    x = torch.ones(ELEMENTWISE_BYTES // 4)
+    y = torch.empty_like(x)
+
+    def median_seconds(run) -> float:
+        run()
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    dist.barrier()
+    matmul = median_seconds(lambda: torch.mm(a, b, out=product))
+    add = median_seconds(lambda: torch.add(x, 1, out=y))
+    dist.barrier()
+    return dataclasses.asdict(measured), matmul, add
+
+
+def measure_cost_model_on_ranks(rank, world, node_size):
+    """This rank's `measure_cost_model` (links as each node's shared link) as
+    a dict."""
+    import dataclasses
+
+    from zppc.measure import measure_cost_model
+
+    model = measure_cost_model(node_size=node_size, inter_per_node=True, message_bytes=2**18)
+    dist.barrier()
+    return dataclasses.asdict(model)

@@ -12,6 +12,12 @@ an almost empty all-gather. What it returns plugs into `zppc schedule --links`
 and `CostModel(links, ...)`; every rank returns the same figures (the slowest
 rank's time of each repeat, then the median), so a cost model built from them
 plans the same graph on every rank.
+
+`measure_compute` does the same for the compute rates (`zppc.cost.Compute`):
+a matrix product and an elementwise op timed on every rank at once, the
+slowest rank's, so ranks sharing cores or a device are measured as they run.
+`measure_cost_model` puts both together: a `CostModel` for `Config.cost_model`
+with no rate written by hand.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from zppc.cost import Links
+from zppc.cost import DEFAULT_LINKS, Compute, CostModel, Links
 from zppc.runtime import compat
 from zppc.runtime.topology import Topology, default_node_size
 
@@ -128,11 +134,7 @@ def measure_links(
     topology = Topology(world, node_size)
     nodes = topology.num_nodes
     backend = dist.get_backend()
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if backend == "nccl"
-        else torch.device("cpu")
-    )
+    device = _job_device()
     # Every rank creates every group, in the same order.
     intra, _ = dist.new_subgroups_by_enumeration(topology.intra_node_groups())
     cross, _ = dist.new_subgroups_by_enumeration(topology.cross_node_groups())
@@ -190,18 +192,88 @@ def _median_seconds(
     of `nbytes` a rank over `group` (after one untimed)."""
     mine = torch.ones(nbytes, dtype=torch.uint8, device=device)
     out = torch.empty(nbytes * group.size(), dtype=torch.uint8, device=device)
+    return _slowest_median(
+        lambda: compat.all_gather_single(out, mine, group=group), repeats, device
+    )
+
+
+def _slowest_median(run, repeats: int, device: torch.device) -> float:
+    """The median over `repeats` of the slowest rank's time for `run()`, every
+    rank starting each run together (after one untimed run)."""
     times = torch.zeros(repeats, dtype=torch.float64, device=device)
     for i in range(-1, repeats):
         dist.barrier()
         _synchronize(device)
         start = time.perf_counter()
-        compat.all_gather_single(out, mine, group=group)
+        run()
         _synchronize(device)
         if i >= 0:
             times[i] = time.perf_counter() - start
-    # A collective ends for everyone when its slowest rank is done.
+    # A collective ends for everyone when its slowest rank is done; a plan
+    # every rank shares must take the slowest rank's compute too.
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     return statistics.median(times.tolist())
+
+
+# Square matrix products big enough to run a device near its rate: a
+# 1024-wide one is 2.1 GFLOP (tens of ms on a CPU thread), a 4096-wide one
+# 137 GFLOP (a fraction of a ms on an H100).
+MATMUL_SIDE = {"cpu": 1024, "cuda": 4096}
+ELEMENTWISE_BYTES = 64 * 2**20
+
+
+def measure_compute(dtype: torch.dtype = torch.float32, repeats: int = 11) -> Compute:
+    """This job's compute rates, as its ranks get them running together
+    (collective: every rank calls it with the same arguments, after
+    `init_process_group`; CPU on gloo, the current CUDA device on NCCL, with
+    this process's thread count). FLOP/s: a square matrix product in `dtype`;
+    bytes/s: an elementwise add, bytes read and written counted as
+    `zppc.cost.node_bytes` counts them. Each the median of `repeats` runs
+    every rank starts together, of the slowest rank: every rank gets the
+    same rates."""
+    _check_compute_arguments("measure_compute", dtype, repeats)
+    device = _job_device()
+    side = MATMUL_SIDE[device.type]
+    a = torch.randn(side, side, device=device).to(dtype)
+    b = torch.randn(side, side, device=device).to(dtype)
+    product = torch.empty(side, side, dtype=dtype, device=device)
+    matmul = _slowest_median(lambda: torch.mm(a, b, out=product), repeats, device)
+    x = torch.ones(ELEMENTWISE_BYTES // dtype.itemsize, dtype=dtype, device=device)
+    y = torch.empty_like(x)
+    add = _slowest_median(lambda: torch.add(x, 1, out=y), repeats, device)
+    return Compute(2 * side**3 / matmul, 2 * ELEMENTWISE_BYTES / add)
+
+
+def measure_cost_model(
+    dtype: torch.dtype = torch.float32,
+    node_size: int | None = None,
+    inter_per_node: bool = False,
+    message_bytes: int = 4 * 2**20,
+    repeats: int = 5,
+) -> CostModel:
+    """A cost model of this job, measured (collective, as `measure_links` and
+    `measure_compute`, whose arguments these are): its links, with
+    `DEFAULT_LINKS`' rate for a link class it has none of, and its compute in
+    `dtype`, the parameters' dtype. For `Config(cost_model=...)`: every rank
+    gets the same model, so the `overlap` pass plans the same graph on all."""
+    _check_compute_arguments("measure_cost_model", dtype, max(repeats, 5))  # before any collective
+    links = measure_links(message_bytes, repeats, node_size, inter_per_node)
+    return CostModel(links.links(DEFAULT_LINKS), measure_compute(dtype, max(repeats, 5)))
+
+
+def _check_compute_arguments(caller: str, dtype: torch.dtype, repeats: int) -> None:
+    if not dist.is_initialized():
+        raise ValueError(f"{caller} needs torch.distributed initialised (run under torchrun)")
+    if repeats < 1 or not dtype.is_floating_point:
+        raise ValueError(
+            f"{caller} needs repeats >= 1 and a floating dtype, got {repeats}, {dtype}"
+        )
+
+
+def _job_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _synchronize(device: torch.device) -> None:
