@@ -171,6 +171,55 @@ def test_schedule_plans_with_a_measurement_as_with_its_flags(capsys, tmp_path):
     )
 
 
+def test_schedule_plans_with_measured_compute_rates_as_with_their_flags(capsys, tmp_path):
+    path = tmp_path / "links.json"
+    measured = _measurement(
+        flops_per_second=7.1e10, memory_bytes_per_second=4.96e9, compute_dtype="float32"
+    )
+    measured.save(path)
+    flags = measured.schedule_flags()
+    assert "--tflops=0.071" in flags and "--memory-bw=4960MB/s" in flags
+    from_file = _plan(capsys, "--links", str(path))
+    from_flags = _plan(capsys, *flags)
+    assert from_file["totals"] == pytest.approx(from_flags["totals"], rel=1e-3)
+    # The measured rates, not --device's: the same graphs' compute at 71 GFLOP/s
+    # and 4.96 GB/s against an A100's peak (FLOPs only, the default); a flag
+    # given wins over the file's.
+    default = _plan(capsys)
+    assert from_file["totals"]["compute_seconds"] > 100 * default["totals"]["compute_seconds"]
+    faster = _plan(capsys, "--links", str(path), "--tflops", "312")
+    assert faster["totals"]["compute_seconds"] < from_file["totals"]["compute_seconds"]
+    # A file from before compute was measured still loads, with no compute flags.
+    fields = json.loads(path.read_text())
+    for key in ("flops_per_second", "memory_bytes_per_second", "compute_dtype"):
+        del fields[key]
+    path.write_text(json.dumps(fields))
+    assert not any(f.startswith("--tflops") for f in LinkMeasurement.load(path).schedule_flags())
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_zppc_links_measures_links_and_compute_under_torchrun(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "links.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+        + ["-m", "zppc", "links", "--compute", "--message-mb", "0.25", "--repeats", "2"]
+        + ["-o", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=540,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    measured = LinkMeasurement.load(path)
+    assert (measured.world_size, measured.compute_dtype) == (2, "float32")
+    assert measured.flops_per_second > 0 and measured.memory_bytes_per_second > 0
+    assert "--tflops=" in done.stdout and "GFLOP/s" in done.stdout
+
+
 def test_a_bad_measurement_file_is_a_clear_error(tmp_path):
     path = tmp_path / "links.json"
     path.write_text('{"backend": "gloo"}')

@@ -386,7 +386,8 @@ _LINK_DEFAULTS = {
 
 
 def _fill_link_flags(args: argparse.Namespace) -> None:
-    """Each link flag not given: from the --links measurement, else the default."""
+    """Each link flag not given: from the --links measurement, else the
+    default; --tflops and --memory-bw from it where it holds compute rates."""
     from zppc.measure import LinkMeasurement
 
     measured = {}
@@ -399,6 +400,11 @@ def _fill_link_flags(args: argparse.Namespace) -> None:
     for flag, default in _LINK_DEFAULTS.items():
         if getattr(args, flag) is None:
             setattr(args, flag, measured.get(flag, default))
+    # Compute rates measured with `zppc links --compute`, where not given.
+    if args.tflops is None and "tflops" in measured:
+        args.tflops = float(measured["tflops"])
+    if args.memory_bw is None and "memory_bw" in measured:
+        args.memory_bw = measured["memory_bw"]
 
 
 def _links(args: argparse.Namespace) -> int:
@@ -406,7 +412,7 @@ def _links(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from zppc.measure import measure_links
+    from zppc.measure import measure_compute, measure_links
 
     if not dist.is_initialized() and "RANK" not in os.environ:
         raise SystemExit(
@@ -421,12 +427,21 @@ def _links(args: argparse.Namespace) -> int:
         dist.init_process_group(backend)
     rank = dist.get_rank()
     try:
+        dtype = getattr(torch, args.dtype)
         measured = measure_links(
             message_bytes=int(args.message_mb * 2**20),
             repeats=args.repeats,
             node_size=args.node_size,
             inter_per_node=args.inter_link == "node",
         )
+        if args.compute:
+            compute = measure_compute(dtype, max(args.repeats, 5))
+            measured = dataclasses.replace(
+                measured,
+                flops_per_second=compute.flops_per_second,
+                memory_bytes_per_second=compute.memory_bytes_per_second,
+                compute_dtype=args.dtype,
+            )
     except ValueError as exc:
         raise SystemExit(f"zppc links: {exc}") from None
     finally:
@@ -475,6 +490,11 @@ def _print_links(m) -> None:
         )
         if latency > seconds / 2:
             print(f"    latency over half the time: a larger --message-mb measures the {name} rate")
+    if m.flops_per_second and m.memory_bytes_per_second:
+        print(
+            f"  compute ({m.compute_dtype}, every rank at once, slowest rank): "
+            f"{m.flops_per_second / 1e9:,.1f} GFLOP/s, {m.memory_bytes_per_second / 1e9:,.2f} GB/s"
+        )
     print("zppc schedule flags: " + " ".join(m.schedule_flags()))
 
 
@@ -765,6 +785,18 @@ def main(argv: list[str] | None = None) -> int:
         help="whether each rank has its own inter-node link (a NIC per GPU) or the node's ranks "
         "share one (a CPU cluster): the inter-node rate counts the bytes a rank receives, or "
         "the bytes entering the node",
+    )
+    m.add_argument(
+        "--compute",
+        action="store_true",
+        help="also time a matrix product and an elementwise add on every rank at once "
+        "(zppc.measure.measure_compute): the --tflops and --memory-bw zppc schedule plans with",
+    )
+    m.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default="float32",
+        help="the dtype --compute measures in (the parameters'; default float32)",
     )
     m.add_argument("-o", "--output", default=None, help="write the measurement as JSON (rank 0)")
     args = parser.parse_args(argv)

@@ -65,6 +65,13 @@ class LinkMeasurement:
     inter_per_node: bool
     """Whether the inter-node rate is the node's one link (the bytes entering
     the node) or each rank's own (the bytes it receives)."""
+    flops_per_second: float | None = None
+    """`measure_compute`'s FLOP rate, where it was measured too (`zppc links
+    --compute`); None otherwise."""
+    memory_bytes_per_second: float | None = None
+    """`measure_compute`'s memory rate, likewise."""
+    compute_dtype: str | None = None
+    """The dtype the compute rates were measured in."""
 
     def links(self, fallback: Links) -> Links:
         """The cost model's links: the measured rates and latency, `fallback`'s
@@ -78,8 +85,9 @@ class LinkMeasurement:
         )
 
     def schedule_settings(self, exact: bool = False) -> dict[str, str]:
-        """The `zppc schedule` link settings these links give, by option name
-        (`intra_bw`, ...): rounded to read and type, or `exact`."""
+        """The `zppc schedule` settings these links (and compute rates, where
+        measured) give, by option name (`intra_bw`, ..., `tflops`,
+        `memory_bw`): rounded to read and type, or `exact`."""
         rate = (lambda r: f"{r}B/s") if exact else (lambda r: f"{r / 1e6:.4g}MB/s")
         latency = self.latency_seconds
         settings = {"latency": f"{latency}s" if exact else f"{latency * 1e6:.0f}us"}
@@ -89,6 +97,10 @@ class LinkMeasurement:
             settings["inter_bw"] = rate(self.inter_bytes_per_second)
         settings["inter_link"] = "node" if self.inter_per_node else "rank"
         settings["backend"] = "gloo" if self.backend == "gloo" else "nccl"
+        if self.flops_per_second and self.memory_bytes_per_second:
+            tflops = self.flops_per_second / 1e12
+            settings["tflops"] = repr(tflops) if exact else f"{tflops:.4g}"
+            settings["memory_bw"] = rate(self.memory_bytes_per_second)
         return settings
 
     def schedule_flags(self) -> list[str]:
