@@ -268,9 +268,10 @@ def measure_cost_model(
     `DEFAULT_LINKS`' rate for a link class it has none of, and its compute in
     `dtype`, the parameters' dtype. For `Config(cost_model=...)`: every rank
     gets the same model, so the `overlap` pass plans the same graph on all."""
-    _check_compute_arguments("measure_cost_model", dtype, max(repeats, 5))  # before any collective
+    compute_repeats = max(repeats, 5)
+    _check_compute_arguments("measure_cost_model", dtype, compute_repeats)  # before any collective
     links = measure_links(message_bytes, repeats, node_size, inter_per_node)
-    return CostModel(links.links(DEFAULT_LINKS), measure_compute(dtype, max(repeats, 5)))
+    return CostModel(links.links(DEFAULT_LINKS), measure_compute(dtype, compute_repeats))
 
 
 def _check_compute_arguments(caller: str, dtype: torch.dtype, repeats: int) -> None:
