@@ -545,3 +545,27 @@ def test_two_hop_gathers_equal_gloo_all_gather():
         assert differ == []
         assert link_shards == 2
         assert list(most.values()) == [1, 1], most
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "rounds, seeds",
+    [(10, (0,)), pytest.param(60, (1, 2, 3, 4, 5), marks=pytest.mark.slow)],
+)
+def test_two_hop_chains_under_many_collectives_in_flight(rounds, seeds):
+    """Forty two-hop gathers and reductions a round, issued back to back with
+    compute between some, a few waited at once and the rest in a shuffled
+    order, so that most hops are issued from a completion callback behind an
+    unfinished predecessor: every result is the one its own collective
+    should give, no rank hangs, and each hop group still carries one hop at
+    a time (gathers and reductions each on their own)."""
+    from spawn import run_ranks
+    from workers import two_hop_chain_stress
+
+    for seed in seeds:
+        results = run_ranks(two_hop_chain_stress, 4, rounds, 40, seed, timeout=540)
+        for differ, most in results:
+            assert differ == [], (seed, differ[:10])
+            # Cross- and intra-node groups, for gathers and for reductions.
+            assert sorted(most.values()) == [1, 1, 1, 1], most

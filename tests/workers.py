@@ -637,6 +637,61 @@ def two_hop_reduce_scatters(rank, world, node_size):
     )
 
 
+def two_hop_chain_stress(rank, world, rounds, per_round, seed):
+    """Many two-hop gathers and reductions over a 2 x 2 topology's hop worlds,
+    issued back to back in an order drawn from `seed` (the same on every
+    rank), with compute between some of them, some waited at once and the
+    rest of each round waited in a shuffled order: the chains of completion
+    callbacks (`zppc.runtime.collectives._chain_two_hops`) find their
+    predecessors unfinished as often as this machine allows. Every value is a
+    small integer tagged with its collective, so a hop matched with another
+    collective's shows. Returns the (round, index, kind) of results that
+    differ, and the most hops in flight at once on each hop group."""
+    import torch.distributed._functional_collectives as funcol
+    from zppc.runtime import compat
+    from zppc.runtime.topology import Topology, gather_hops, reduction_hops, setup_groups
+
+    groups = setup_groups(Topology(world, 2))
+    gathers, reductions = gather_hops(groups.world), reduction_hops(groups.world)
+    draw = torch.Generator().manual_seed(seed)
+
+    def chance(p: float) -> bool:
+        return torch.rand(1, generator=draw).item() < p
+
+    def tag_of(round_, k, r):
+        return float((round_ * per_round + k) % 1000 * 8 + r)
+
+    differ = []
+    with hops_in_flight(
+        (compat, "all_gather_single"), (dist, "all_gather"), (dist, "all_to_all_single")
+    ) as most:
+        for round_ in range(rounds):
+            issued = []
+            for k in range(per_round):
+                n = int(torch.randint(1, 20_000, (1,), generator=draw))
+                kind = "gather" if chance(0.5) else "reduce"
+                if kind == "gather":
+                    shard = torch.full((n,), tag_of(round_, k, rank))
+                    out = torch.ops.zppc.all_gather_in_place(shard, gathers.world)
+                    expected = torch.cat(
+                        [torch.full((n,), tag_of(round_, k, r)) for r in range(world)]
+                    )
+                else:
+                    flat = torch.full((world * n,), tag_of(round_, k, rank))
+                    out = torch.ops.zppc.reduce_scatter_in_two_hops(flat, reductions.world)
+                    expected = torch.full((n,), sum(tag_of(round_, k, r) for r in range(world)))
+                issued.append((k, kind, out, expected))
+                if chance(0.3):
+                    torch.randn(200, 200) @ torch.randn(200, 200)
+                if chance(0.1):
+                    funcol.wait_tensor(out)
+            for i in torch.randperm(len(issued), generator=draw).tolist():
+                k, kind, out, expected = issued[i]
+                if not torch.equal(funcol.wait_tensor(out), expected):
+                    differ.append((round_, k, kind))
+    return differ, most
+
+
 def measure_links_on_ranks(rank, world, node_size, inter_per_node, message_bytes):
     """This rank's `measure_links` as a dict, or the ValueError it raised."""
     import dataclasses
