@@ -229,7 +229,15 @@ def _chain_two_hops(
     under load, `zppc.passes.overlap.one_in_flight_on_gloo`), and a
     collective's first hop runs while the previous one's second does. A hop
     whose predecessor is done is issued at once, from the calling thread;
-    otherwise from a completion callback, so the main thread never waits."""
+    otherwise from a completion callback, so the main thread never waits.
+
+    Callbacks run on gloo's threads, where grad mode is on whatever the
+    caller's was: hops are issued and `finish` runs with autograd off (a hop
+    issued there once recorded a copy of a shard that required grad into
+    c10d's views of the output, failed, and left the other ranks waiting).
+    The registered work's `wait` raises a hop's failure on the waiting
+    thread; c10d's work made from a future returns as if it had succeeded,
+    and the rank went on with an unwritten `out`."""
     key = (world_epoch(), hop_world)
     before_first, before_second = _LATEST_HOPS.get(key, (_DONE, _DONE))
     first_done, second_done = torch.futures.Future(), torch.futures.Future()
@@ -246,7 +254,8 @@ def _chain_two_hops(
             try:
                 for future in ready.value():
                     future.wait()  # raises an earlier hop's failure
-                work = issue()
+                with torch.no_grad():
+                    work = issue()
             except Exception as exc:  # noqa: BLE001  (handed to the waiting thread)
                 fail(exc)
                 return
@@ -267,7 +276,8 @@ def _chain_two_hops(
             second.wait()
             second_done.set_result(None)
             if finish is not None:
-                finish()
+                with torch.no_grad():
+                    finish()
             done.set_result([out])
         except Exception as exc:  # noqa: BLE001
             fail(exc)
@@ -276,9 +286,26 @@ def _chain_two_hops(
     then_issue(
         torch.futures.collect_all([first_done, before_second]), issue_second, second_finished
     )
-    torch._C._distributed_c10d._register_work(
-        out, torch._C._distributed_c10d._create_work_from_future(done)
-    )
+    torch._C._distributed_c10d._register_work(out, _ChainedWork(done))
+
+
+class _ChainedWork(dist.Work):
+    """A two-hop collective's work: done once its future is, and its `wait`
+    raises the error a hop failed with (see `_chain_two_hops`)."""
+
+    def __init__(self, done: torch.futures.Future) -> None:
+        super().__init__()
+        self._done = done
+
+    def wait(self, timeout: object = None) -> bool:
+        self._done.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.done()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._done
 
 
 # The predecessor of the first two-hop collective over a hop world.

@@ -548,18 +548,36 @@ def test_two_hop_gathers_equal_gloo_all_gather():
 
 
 @pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_a_failed_hop_raises_where_its_collective_is_waited():
+    """A hop that fails (here as it is issued, from a completion callback)
+    makes the wait on its collective raise that error, on every rank; the
+    gather before it is unaffected. (c10d's work made from a future returned
+    as if it had succeeded, and the rank went on with an unwritten output.)"""
+    from spawn import run_ranks
+    from workers import two_hop_failure_on_wait
+
+    for first_right, raised in run_ranks(two_hop_failure_on_wait, 4, timeout=240):
+        assert first_right
+        assert raised is not None and "injected failure of the second hop" in raised, raised
+
+
+@pytest.mark.multiproc
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
     "rounds, seeds",
     [(10, (0,)), pytest.param(60, (1, 2, 3, 4, 5), marks=pytest.mark.slow)],
 )
 def test_two_hop_chains_under_many_collectives_in_flight(rounds, seeds):
-    """Forty two-hop gathers and reductions a round, issued back to back with
-    compute between some, a few waited at once and the rest in a shuffled
-    order, so that most hops are issued from a completion callback behind an
-    unfinished predecessor: every result is the one its own collective
-    should give, no rank hangs, and each hop group still carries one hop at
-    a time (gathers and reductions each on their own)."""
+    """Forty two-hop gathers (of shards that require grad, as parameters do)
+    and reductions a round, issued back to back with compute between some,
+    a few waited at once and the rest in a shuffled order, so that most hops
+    are issued from a completion callback behind an unfinished predecessor:
+    every result is the one its own collective should give, no rank hangs,
+    and each hop group still carries one hop at a time (gathers and
+    reductions each on their own). Before hops ran with autograd off, a
+    first hop issued from a callback recorded the shard's copy, failed, and
+    the wait returned an unwritten output."""
     from spawn import run_ranks
     from workers import two_hop_chain_stress
 

@@ -637,6 +637,39 @@ def two_hop_reduce_scatters(rank, world, node_size):
     )
 
 
+def two_hop_failure_on_wait(rank, world):
+    """Two two-hop gathers over a 2 x 2 topology's hop world, issued back to
+    back, the second one's second hop failing as it is issued (on every rank,
+    so none waits for another): returns whether the first gathered right and
+    what waiting on the second raised (None if it returned)."""
+    import torch.distributed._functional_collectives as funcol
+    from zppc.runtime.topology import Topology, gather_hops, setup_groups
+
+    hops = gather_hops(setup_groups(Topology(world, 2)).world)
+    issued, original = [], dist.all_gather
+
+    def second_hop(*args, **kwargs):
+        issued.append(None)
+        if len(issued) == 2:
+            raise RuntimeError("injected failure of the second hop")
+        return original(*args, **kwargs)
+
+    dist.all_gather = second_hop
+    try:
+        first = torch.ops.zppc.all_gather_in_place(torch.full((3,), float(rank)), hops.world)
+        second = torch.ops.zppc.all_gather_in_place(torch.ones(5), hops.world)
+        gathered = funcol.wait_tensor(first)
+        try:
+            funcol.wait_tensor(second)
+            raised = None
+        except RuntimeError as exc:
+            raised = str(exc)
+    finally:
+        dist.all_gather = original
+    expected = torch.arange(world, dtype=torch.float32).repeat_interleave(3)
+    return torch.equal(gathered, expected), raised
+
+
 def two_hop_chain_stress(rank, world, rounds, per_round, seed):
     """Many two-hop gathers and reductions over a 2 x 2 topology's hop worlds,
     issued back to back in an order drawn from `seed` (the same on every
@@ -671,7 +704,8 @@ def two_hop_chain_stress(rank, world, rounds, per_round, seed):
                 n = int(torch.randint(1, 20_000, (1,), generator=draw))
                 kind = "gather" if chance(0.5) else "reduce"
                 if kind == "gather":
-                    shard = torch.full((n,), tag_of(round_, k, rank))
+                    # A parameter's shard, as the graphs gather it: it requires grad.
+                    shard = torch.full((n,), tag_of(round_, k, rank), requires_grad=True)
                     out = torch.ops.zppc.all_gather_in_place(shard, gathers.world)
                     expected = torch.cat(
                         [torch.full((n,), tag_of(round_, k, r)) for r in range(world)]
