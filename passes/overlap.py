@@ -35,11 +35,13 @@ unchanged):
    gradient alive: +72 MiB peak per rank on gpt-medium at 2 ranks).
 
 4. On gloo groups, at most one collective per group is in flight
-   (`one_in_flight_on_gloo`), except over a reduction hop world: a two-hop
-   reduction's runtime issues each hop once the previous reduction's same
-   hop is done, so each of its gloo groups carries one hop at a time while
-   step 3's `prefetch + 1` reductions are in flight, one's intra-node hop
-   beside the previous one's crossing of the link.
+   (`one_in_flight_on_gloo`), except over a hop world (gathers and
+   reductions over several nodes of several ranks): a two-hop collective's
+   runtime issues each hop once the previous collective's same hop is done,
+   so each of its gloo groups carries one hop at a time while step 3's
+   order stands: `prefetch` gathers ahead, as on NCCL, and `prefetch + 1`
+   reductions in flight, one's intra-node hop beside the previous one's
+   crossing of the link.
 
 Why a zppc pass and not torch's `schedule_overlap_bucketing`: torch's decides
 by estimated runtimes and a memory-ratio budget, and it reorders compute too.
@@ -65,7 +67,12 @@ from zppc.passes.zero import (
     find_collectives,
 )
 from zppc.runtime import compat
-from zppc.runtime.topology import group_backend, group_ranks, two_hop_reduce_over
+from zppc.runtime.topology import (
+    group_backend,
+    group_ranks,
+    two_hop_gather_over,
+    two_hop_reduce_over,
+)
 
 from zppc.cost import CostModel, collective_seconds
 
@@ -469,12 +476,12 @@ def one_in_flight_on_gloo(matches: list[CollectiveMatch], order: _Order) -> None
     next collective on the same group is issued: one collective in flight per
     group, still overlapping compute. Observed here: with several in flight on
     one gloo group (zppc's overlap, and FSDP2's prefetch alike), a rank now
-    and then died without a message, under load. A reduction hop world is
-    no gloo group of its own: its runtime keeps its hop groups to one hop in
-    flight each (`zppc.runtime.collectives._chain_two_hops`), so its
-    reductions keep step 3's depth. NCCL keeps the full order; a
-    plan does what the backend it plans for does. The backend is a property
-    of the group, the same on every rank."""
+    and then died without a message, under load. A hop world is no gloo
+    group of its own: its runtime keeps its hop groups to one hop in flight
+    each (`zppc.runtime.collectives._chain_two_hops`), so its gathers and
+    reductions keep step 3's depth. NCCL keeps the full order; a plan does
+    what the backend it plans for does. The backend is a property of the
+    group, the same on every rank."""
     _gathers_after_the_previous_wait(matches, order)
     latest: dict[str, CollectiveMatch] = {}
     for m in sorted(matches, key=lambda m: order[m.issue]):
@@ -482,8 +489,7 @@ def one_in_flight_on_gloo(matches: list[CollectiveMatch], order: _Order) -> None
         if (
             before is not None
             and order[before.wait] > order[m.issue]
-            and on_gloo(m.group_name)
-            and two_hop_reduce_over(m.group_name) is None
+            and one_at_a_time(m.group_name)
         ):
             order.move_before(before.wait, min(m.record, m.issue, key=order.__getitem__))
         latest[m.group_name] = m
@@ -496,7 +502,7 @@ def _gathers_after_the_previous_wait(matches: list[CollectiveMatch], order: _Ord
     before the first layer computed): it moves down to just after that wait,
     its ledger hook with it."""
     previous: dict[str, CollectiveMatch] = {}
-    gathers = [m for m in matches if is_param_gather(m) and on_gloo(m.group_name)]
+    gathers = [m for m in matches if is_param_gather(m) and one_at_a_time(m.group_name)]
     for m in sorted(gathers, key=lambda m: order[m.issue]):
         before = previous.get(m.group_name)
         if before is not None and order[m.issue] < order[before.wait] < order[m.wait]:
@@ -506,6 +512,16 @@ def _gathers_after_the_previous_wait(matches: list[CollectiveMatch], order: _Ord
 
 def is_param_gather(m: CollectiveMatch) -> bool:
     return bool(m.wait.meta.get(PARAM_GATHER))
+
+
+def one_at_a_time(group_name: str) -> bool:
+    """Whether the plan keeps the group to one collective in flight: a gloo
+    group, not a hop world (whose runtime chains the hops itself)."""
+    return (
+        on_gloo(group_name)
+        and two_hop_gather_over(group_name) is None
+        and two_hop_reduce_over(group_name) is None
+    )
 
 
 def on_gloo(group_name: str) -> bool:

@@ -123,12 +123,14 @@ def test_forward_gathers_issued_in_the_order_they_are_used(fake_rank, backend):
     """Collectives on one group run in the order they are issued (NCCL's
     stream, gloo's one in flight), so a gather issued ahead of one used before
     it delays that one: the tied embedding's, issued after the first
-    prefetches, held the first layer behind all of them. On gloo each gather is
-    issued just after the previous one's wait, with compute under it."""
+    prefetches, held the first layer behind all of them. On a gloo group each
+    gather is issued just after the previous one's wait, with compute under
+    it (gathers over the world group here: in two hops they keep NCCL's
+    order, `test_two_hop_gathers_keep_the_prefetch_depth_on_gloo`)."""
     from zppc.passes import planning
 
     with planning("torch", backend):
-        forward, _ = final_graphs()
+        forward, _ = final_graphs(disable_passes=("gather_hops",))
     pos = positions(forward)
     gathers = [m for m in find_collectives(forward.graph) if m.wait.meta.get(PARAM_GATHER)]
     gathers.sort(key=lambda m: pos[m.issue])
@@ -140,6 +142,35 @@ def test_forward_gathers_issued_in_the_order_they_are_used(fake_rank, backend):
         for before, m in zip(gathers[:-1], gathers[1:], strict=True):
             assert pos[before.wait] < pos[m.issue]
             assert any(pos[m.issue] < p < pos[m.wait] for p in matmuls), "nothing runs under it"
+
+
+@pytest.mark.parametrize("fake_rank", [1], indirect=True)
+def test_two_hop_gathers_keep_the_prefetch_depth_on_gloo(fake_rank):
+    """On 2 x 2 gloo gathers run in two hops, whose runtime keeps each hop
+    group to one hop at a time (`zppc.runtime.collectives._chain_two_hops`):
+    the plan issues them as NCCL's does, `prefetch` ahead, each before the
+    previous one's wait, where a plain gloo group waits each gather before
+    the next is issued."""
+    from zppc.passes import planning
+    from zppc.runtime.topology import two_hop_gather_over
+
+    def gathers_of(backend):
+        with planning("torch", backend):
+            forward, _ = final_graphs()
+        pos = positions(forward)
+        gathers = [m for m in find_collectives(forward.graph) if m.wait.meta.get(PARAM_GATHER)]
+        return sorted((pos[m.issue], pos[m.wait], m.group_name) for m in gathers)
+
+    on_gloo, on_nccl = gathers_of("gloo"), gathers_of("nccl")
+    assert [g[:2] for g in on_gloo] == [g[:2] for g in on_nccl]
+    (hop_world,) = {g[2] for g in on_gloo}
+    assert two_hop_gather_over(hop_world) is not None
+    issued_before_the_previous_wait = [
+        later
+        for earlier, later in zip(on_gloo[:-1], on_gloo[1:], strict=True)
+        if later[0] < earlier[1]
+    ]
+    assert len(issued_before_the_previous_wait) == len(on_gloo) - 1
 
 
 @pytest.mark.parametrize("fake_rank", [1], indirect=True)
@@ -516,17 +547,24 @@ def _renumber(order, graph) -> None:
 @pytest.mark.timeout(600)
 def test_gloo_groups_have_one_collective_in_flight():
     """One collective in flight per gloo group in the final graphs, except
-    over the reduction hop world (2 x 2 reduces in two hops), whose runtime
-    keeps each hop group to one hop: there the backward keeps `prefetch + 1`
-    reductions in flight."""
+    over the hop worlds (2 x 2 gathers and reduces in two hops), whose
+    runtime keeps each hop group to one hop: there the backward keeps
+    `prefetch + 1` reductions in flight, and the forward gathers `prefetch`
+    ahead as on NCCL (the tied embedding's gather, alive to the head, beside
+    them)."""
     from spawn import run_ranks
     from workers import in_flight_per_group
 
     for most, hop_worlds, beside_a_reduction in run_ranks(in_flight_per_group, 4, timeout=540):
-        gloo_groups = {key: n for key, n in most.items() if key[1] not in hop_worlds}
+        two_hop = hop_worlds["gather"] | hop_worlds["reduce"]
+        gloo_groups = {key: n for key, n in most.items() if key[1] not in two_hop}
         assert gloo_groups and max(gloo_groups.values()) == 1, most
-        reductions_in_two_hops = [n for key, n in most.items() if key[1] in hop_worlds]
+        reductions_in_two_hops = [n for key, n in most.items() if key[1] in hop_worlds["reduce"]]
         assert reductions_in_two_hops == [2], most  # Config.prefetch 1
+        # hpZ gathers the backward inside the node: only the forward's are two-hop.
+        gathers_in_two_hops = {k: n for k, n in most.items() if k[1] in hop_worlds["gather"]}
+        assert list(gathers_in_two_hops) == [("forward", *hop_worlds["gather"])], most
+        assert list(gathers_in_two_hops.values()) == [3], most
         # Reductions on their groups' twins: the backward's gathers go out beside them.
         assert beside_a_reduction >= 2
 

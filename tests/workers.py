@@ -504,9 +504,9 @@ def gpt_step_ledger(rank, world, config_kwargs):
 def in_flight_per_group(rank, world):
     """The most collectives in flight at once on any one process group, in the
     final graphs of a GPT step on gloo (zero3 + hpZ on 2 x 2, small buckets),
-    which of those groups are reduction hop worlds, and how many gathers are
-    issued while a reduction is in flight."""
-    from zppc.runtime.topology import two_hop_reduce_over
+    which of those groups are hop worlds (gathers', reductions'), and how
+    many gathers are issued while a reduction is in flight."""
+    from zppc.runtime.topology import two_hop_gather_over, two_hop_reduce_over
 
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -530,7 +530,10 @@ def in_flight_per_group(rank, world):
                 most[key] = max(most.get(key, 0), alive)
                 if m.wait.meta.get(PARAM_GATHER):
                     beside += any(not o.wait.meta.get(PARAM_GATHER) for o in in_flight)
-    hop_worlds = {name for _, name in most if two_hop_reduce_over(name) is not None}
+    hop_worlds = {
+        "gather": {name for _, name in most if two_hop_gather_over(name) is not None},
+        "reduce": {name for _, name in most if two_hop_reduce_over(name) is not None},
+    }
     return most, hop_worlds, beside
 
 
