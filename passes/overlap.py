@@ -496,11 +496,12 @@ def one_in_flight_on_gloo(matches: list[CollectiveMatch], order: _Order) -> None
 
 
 def _gathers_after_the_previous_wait(matches: list[CollectiveMatch], order: _Order) -> None:
-    """On a gloo group, a parameter gather issued before the previous gather's
-    wait would wait that gather right there, before compute it could have run
-    under (the forward's first gathers, all issued at the top, were all waited
-    before the first layer computed): it moves down to just after that wait,
-    its ledger hook with it."""
+    """On a group kept to one in flight (`one_at_a_time`), a parameter gather
+    issued before the previous gather's wait would wait that gather right
+    there, before compute it could have run under (the forward's first
+    gathers, all issued at the top, were all waited before the first layer
+    computed): it moves down to just after that wait, its ledger hook with
+    it."""
     previous: dict[str, CollectiveMatch] = {}
     gathers = [m for m in matches if is_param_gather(m) and one_at_a_time(m.group_name)]
     for m in sorted(gathers, key=lambda m: order[m.issue]):
