@@ -47,7 +47,11 @@ from torch import Tensor
 from zppc.kernels import qgz as qgz_kernels
 from zppc.kernels.quant import FORMAT_BITS, PayloadLayout
 from zppc.runtime import compat
-from zppc.runtime.collectives import all_gather_flat, bytes_per_peer
+from zppc.runtime.collectives import (
+    all_gather_flat,
+    bytes_per_peer,
+    start_reduce_scatter_in_two_hops,
+)
 from zppc.runtime.failures import wait_for, waiting_on
 from zppc.runtime.ledger import record
 from zppc.runtime.topology import group_ranks, side_node_groups
@@ -67,7 +71,7 @@ class Reduction:
     group_name: str
     direct: bool = False
     """`total` holds every rank's slice for this rank (an all-to-all, see
-    `OspState.direct`), to be summed here."""
+    `OspState.reduce_scatter` "all_to_all"), to be summed here."""
     _mean: Tensor | None = None
 
     def mean(self) -> Tensor:
@@ -313,10 +317,12 @@ class OspState:
     graphs compiled for an older plan are compiled again."""
     two_hops: TwoHops | None = None
     """`Config.qgz`: stage 2 reduces in two quantized hops."""
-    direct: bool = False
-    """zero2/3 without qgZ: stage 2's reduce-scatters run as an all-to-all
-    and a local sum (`Config.reduce_scatter` resolved for the side group, as
-    the `reduce_scatter` pass resolves it for stage 1)."""
+    reduce_scatter: str = "native"
+    """zero2/3 without qgZ: how stage 2's reduce-scatters run, `Config.reduce_scatter`
+    resolved for the side group as the `reduce_scatter` pass resolves it for
+    stage 1: "native", "all_to_all" (exchanged directly and summed here) or
+    "two_hop" (the side group is a reduction hop world,
+    `zppc.runtime.topology.side_reduction_world`)."""
     first_hops: list[TwoHopReduction] = field(default_factory=list)
     """Two-hop reductions whose cross-node hop is not issued yet, in issue order."""
 
@@ -585,10 +591,13 @@ def osp_issue(
 
 def _issue_one(osp: OspState, send: Tensor, numel: int, mode: str, world: int) -> Reduction:
     group = _GROUP_FROM_NAME(osp.group_name)
-    kind = _reduction_kind(mode, osp.direct)
+    kind = _reduction_kind(mode, osp.reduce_scatter)
     if kind == "all_to_all":
         total = torch.empty_like(send)
         work = dist.all_to_all_single(total, send, group=group, async_op=True)
+    elif kind == "reduce_scatter" and osp.reduce_scatter == "two_hop":
+        # Inside the node, then across, on the side group's own hop groups.
+        total, work = start_reduce_scatter_in_two_hops(send, osp.group_name)
     elif kind == "reduce_scatter":
         total = send.new_empty(numel)
         work = compat.reduce_scatter_single(total, send, group=group, async_op=True)
@@ -649,7 +658,7 @@ def stage2_points(node) -> list:
     if hops is None:
         numel = sum(v.numel() for v in vals) if mode == "ddp" else sum(shard_numels) * world
         sent = torch.empty(numel, dtype=dtype, device="meta")
-        return [point(_reduction_kind(mode, osp.direct), osp.group_name, sent)]
+        return [point(_reduction_kind(mode, osp.reduce_scatter), osp.group_name, sent)]
     if mode == "ddp":
         shard_numels = _ddp_columns(vals, world)
     columns = sum(shard_numels)
@@ -673,12 +682,13 @@ def stage2_points(node) -> list:
     return points
 
 
-def _reduction_kind(mode: str, direct: bool) -> str:
-    """zero2/3 keep only their shard of the mean (reduce-scattered, or
-    exchanged directly and summed here); ddp and zero1 need it whole."""
+def _reduction_kind(mode: str, reduce_scatter: str) -> str:
+    """zero2/3 keep only their shard of the mean (reduce-scattered, in one
+    collective or two hops, or exchanged directly and summed here); ddp and
+    zero1 need it whole."""
     if mode not in ("zero2", "zero3"):
         return "all_reduce"
-    return "all_to_all" if direct else "reduce_scatter"
+    return "all_to_all" if reduce_scatter == "all_to_all" else "reduce_scatter"
 
 
 @osp_issue.register_fake

@@ -81,6 +81,31 @@ def test_osp_equals_the_reference_semantics(tmp_path):
             assert comm["calls"]["all_reduce"] >= 2, (run, comm)
 
 
+# 2 nodes x 2 ranks on gloo: both stages reduce in two hops (inside each
+# node, then across), stage 2 on side groups of its own.
+TWO_HOP_RUNS = [
+    ("zero3", "adamw", True, 1, "sync", (("node_size", 2),)),
+    ("zero2", "sgd", False, 2, "sync", (("node_size", 2),)),
+]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_osp_stage_two_reduces_in_two_hops_where_stage_one_does(tmp_path):
+    results = run_ranks(
+        ow.osp_training, 4, TWO_HOP_RUNS, "eager", ow.STEPS, str(tmp_path), timeout=540
+    )
+    for run in TWO_HOP_RUNS:
+        assert results[0][run]["stage2"] == ["fc1.bias", "fc1.weight"], run
+        _assert_equals_reference(results, run, 4)
+        # One reduce-scatter per stage and backward, each over a hop world
+        # (the ledger counts its two hops' bytes); no direct exchange.
+        comm = results[0][run]["comm"]
+        micro = run[3]
+        assert comm["calls"]["reduce_scatter"] == 2 * micro, (run, comm)
+        assert "all_to_all" not in comm["calls"], (run, comm)
+
+
 CLIPPED_RUNS = [
     ("ddp", "sgd", True, 1, "sync"),
     ("ddp", "adamw", True, 1, "sync"),
@@ -281,6 +306,24 @@ def test_plan_shows_stage_two_off_the_critical_path(capsys):
     (carried,) = [s for s in osp["timeline"] if s["name"] == "stage 2 of the previous step"]
     first_gather = next(s for s in osp["timeline"] if s["track"] == "communication" and s["graph"])
     assert carried["seconds"] > 0 and first_gather["start"] >= carried["seconds"]
+
+
+def test_plan_on_gloo_reduces_stage_two_in_two_hops_like_stage_one(capsys):
+    """2 nodes x 4 on gloo: stage 2 is a reduce-scatter over a side hop world,
+    so the reductions bring as many bytes over the node links as the
+    synchronous plan's (a direct exchange brought 35% more)."""
+    gloo = ("--backend", "gloo")
+    synchronous = _schedule(capsys, *gloo)
+    osp = _schedule(capsys, *gloo, "--osp", "0.5")
+    stage2 = [r for r in osp["collectives"] if r["stage"] == 2]
+    assert stage2 and all(r["kind"] == "reduce_scatter" and r["two_hops"] for r in stage2)
+    stage1_groups = {r["group_name"] for r in osp["collectives"] if r["stage"] == 1}
+    assert not stage1_groups & {r["group_name"] for r in stage2}
+
+    def reduction_link_bytes(plan: dict) -> int:
+        return sum(r["node_link_bytes"] for r in plan["collectives"] if r["kind"] != "all_gather")
+
+    assert reduction_link_bytes(osp) == reduction_link_bytes(synchronous)
 
 
 def test_plan_carries_stage_two_into_the_next_step_when_link_bound(capsys):

@@ -64,6 +64,7 @@ from zppc.runtime.topology import (
     device_type,
     has_hop_groups,
     setup_groups,
+    side_reduction_world,
     side_world_group,
     world_group,
 )
@@ -322,10 +323,13 @@ def distribute(model: nn.Module, config: Config | None = None) -> nn.Module:
     if config.osp is not None:
         from zppc.passes.reduce_scatter import algorithm_for
 
-        # Stage 2 runs on a side group, which has no hop groups: where the
-        # backward reduces in two hops, stage 2 exchanges directly.
-        stage2 = "all_to_all" if config.reduce_scatter == "two_hop" else config.reduce_scatter
-        side_group = side_world_group(topology, config.timeout_s)
+        # Stage 2 runs on side groups: with qgZ its own node groups
+        # (`two_hops_for`), else a world group that reduces in two hops
+        # where stage 1 does.
+        if config.qgz is None and algorithm_for(config.reduce_scatter, groups.world) == "two_hop":
+            side_group = side_reduction_world(topology, config.timeout_s)
+        else:
+            side_group = side_world_group(topology, config.timeout_s)
         state.osp = OspState(
             index=state.grad_sync.index,
             lgp=config.osp_lgp,
@@ -333,7 +337,7 @@ def distribute(model: nn.Module, config: Config | None = None) -> nn.Module:
             group_name=side_group,
             model_state=weakref.ref(state),
             two_hops=two_hops_for(config, topology, state.qgz_residuals),
-            direct=algorithm_for(stage2, side_group) == "all_to_all",
+            reduce_scatter=algorithm_for(config.reduce_scatter, side_group),
         )
         register_osp(state.osp)
     if config.strategy == "rtp":
