@@ -48,6 +48,14 @@ CONFIGS: dict[str, tuple[str, dict | None]] = {
         "zppc",
         {"strategy": "zero3", "disable_passes": ("reduction_groups",)},
     ),
+    # One gloo group for all gathers and one for all reductions (the lanes pass
+    # off): on a plain gloo group (one rank per node, one node) each collective
+    # is waited before the next on its group is issued.
+    "zppc-zero3-one-lane": ("zppc", {"strategy": "zero3", "disable_passes": ("lanes",)}),
+    "zppc-zero3-prefetch2-one-lane": (
+        "zppc",
+        {"strategy": "zero3", "prefetch": 2, "disable_passes": ("lanes",)},
+    ),
     # World all-gathers as gloo's ring (the gather_hops pass off) instead of
     # two hops, across the nodes then inside them.
     "zppc-zero3-ring-gather": ("zppc", {"strategy": "zero3", "disable_passes": ("gather_hops",)}),

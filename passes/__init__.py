@@ -35,6 +35,7 @@ PASS_NAMES = (
     "sync_buffers",
     "reduction_groups",
     "gather_hops",
+    "lanes",
     "overlap",
 )
 
@@ -175,6 +176,7 @@ def build_passes(config) -> list[GraphPass]:
     from zppc.passes.bucket import bucket_pass
     from zppc.passes.dedupe import dedupe_unshard_pass
     from zppc.passes.gather_hops import gather_hops_pass
+    from zppc.passes.lanes import lanes_pass
     from zppc.passes.osp import osp_pass
     from zppc.passes.overlap import overlap_pass
     from zppc.passes.qgz import qgz_pass
@@ -204,6 +206,7 @@ def build_passes(config) -> list[GraphPass]:
         passes.append(GraphPass("sync_buffers", sync_buffers_pass, ("forward",)))
     passes.append(GraphPass("reduction_groups", reduction_groups_pass, ("backward",)))
     passes.append(GraphPass("gather_hops", gather_hops_pass, ("forward", "backward")))
+    passes.append(GraphPass("lanes", lanes_pass, ("forward", "backward")))
     passes.append(GraphPass("overlap", overlap_pass, ("forward", "backward")))
     return [p for p in passes if p.name not in config.disable_passes]
 

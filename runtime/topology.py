@@ -268,6 +268,39 @@ def two_hop_reduce_over(group_name: str) -> HopGroups | None:
     return hops if hops is not None and hops.world == group_name else None
 
 
+# (world epoch, group name) -> the groups over the same ranks that are its
+# lanes after itself (see `ensure_lanes`).
+_LANES: dict[tuple[int, str], list[str]] = {}
+
+
+def ensure_lanes(
+    topology: Topology, groups: Groups, count: int, timeout_s: float | None = None
+) -> None:
+    """At least `count` lanes for each of the world, intra- and cross-node
+    groups and their reduction twins, on gloo (and the fake process group,
+    which plans for it): the group itself and `count - 1` more groups over the
+    same ranks (collective: every rank calls it with the same count). A gloo
+    group carries one collective at a time (`zppc.passes.overlap.one_in_flight_on_gloo`);
+    the `lanes` pass spreads a group's collectives over its lanes in turn, so
+    `Config.prefetch + 1` gathers or reductions are in flight at once, each
+    lane still carrying one."""
+    if dist.get_backend() not in TWINNED_BACKENDS or topology.world_size == 1:
+        return
+    timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
+    originals = (groups.world, groups.intra_node, groups.cross_node)
+    for family in (originals, tuple(reduction_twin(name) for name in originals)):
+        while len(group_lanes(family[0])) < count:
+            added = _new_world_intra_cross(topology, timeout)
+            _SIDE_GROUPS.extend(added)
+            for name, lane in zip(family, added, strict=True):
+                _LANES.setdefault((world_epoch(), name), []).append(lane.group_name)
+
+
+def group_lanes(group_name: str) -> tuple[str, ...]:
+    """The group and its lanes (`ensure_lanes`), in the order they take turns."""
+    return (group_name, *_LANES.get((world_epoch(), group_name), ()))
+
+
 def reduction_twin(group_name: str) -> str | None:
     """The twin of one of zppc's groups (see `_create_twins`); None if it has none."""
     return _TWINS.get((world_epoch(), group_name))

@@ -125,12 +125,13 @@ def test_forward_gathers_issued_in_the_order_they_are_used(fake_rank, backend):
     it delays that one: the tied embedding's, issued after the first
     prefetches, held the first layer behind all of them. On a gloo group each
     gather is issued just after the previous one's wait, with compute under
-    it (gathers over the world group here: in two hops they keep NCCL's
-    order, `test_two_hop_gathers_keep_the_prefetch_depth_on_gloo`)."""
+    it (gathers over the world group here, on one lane: in two hops, or on
+    lanes, they keep NCCL's order, `test_two_hop_gathers_keep_the_prefetch_depth_on_gloo`,
+    `test_gloo_lanes_keep_the_prefetch_depth`)."""
     from zppc.passes import planning
 
     with planning("torch", backend):
-        forward, _ = final_graphs(disable_passes=("gather_hops",))
+        forward, _ = final_graphs(disable_passes=("gather_hops", "lanes"))
     pos = positions(forward)
     gathers = [m for m in find_collectives(forward.graph) if m.wait.meta.get(PARAM_GATHER)]
     gathers.sort(key=lambda m: pos[m.issue])
@@ -174,6 +175,55 @@ def test_two_hop_gathers_keep_the_prefetch_depth_on_gloo(fake_rank):
 
 
 @pytest.mark.parametrize("fake_rank", [1], indirect=True)
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_gloo_lanes_keep_the_prefetch_depth(fake_rank, prefetch):
+    """On a plain gloo group (the world group here: gather_hops off; on one
+    rank per node or one node it is the layout) the `lanes` pass spreads the
+    collectives over `prefetch + 1` groups over the same ranks in turn: each
+    lane carries one collective at a time, and each gather goes out before
+    the previous one is waited, with `prefetch + 1` reductions in flight,
+    where one lane waited each before the next."""
+    from zppc.passes import planning
+    from zppc.runtime.topology import group_lanes, reduction_twin
+
+    def plan(backend, disable=("gather_hops",)):
+        with planning("torch", backend):
+            graphs = final_graphs(
+                disable_passes=disable, prefetch=prefetch, reduce_scatter="all_to_all"
+            )
+        return [
+            [(positions(gm)[m.issue], positions(gm)[m.wait], m) for m in find_collectives(gm.graph)]
+            for gm in graphs
+        ]
+
+    on_lanes, one_lane = plan("gloo"), plan("gloo", disable=("gather_hops", "lanes"))
+    for graph, one_lane_graph in zip(on_lanes, one_lane, strict=True):
+        gathers = sorted(c for c in graph if c[2].wait.meta.get(PARAM_GATHER))
+        reductions = sorted(c for c in graph if not c[2].wait.meta.get(PARAM_GATHER))
+        world = group_lanes(gathers[0][2].group_name)[0]
+        assert [c[2].group_name for c in gathers] == [
+            group_lanes(world)[k % (prefetch + 1)] for k in range(len(gathers))
+        ]
+        if reductions:
+            twin_lanes = group_lanes(reduction_twin(world))[: prefetch + 1]
+            assert {c[2].group_name for c in reductions} == set(twin_lanes)
+            assert most_alive([c[:2] for c in reductions]) == prefetch + 1
+        for lane in {c[2].group_name for c in graph}:
+            assert most_alive([c[:2] for c in graph if c[2].group_name == lane]) == 1
+        # Each gather goes out before the previous one is waited.
+        assert all(
+            later[0] < earlier[1] for earlier, later in zip(gathers[:-1], gathers[1:], strict=True)
+        )
+        # On one lane, fewer in flight: each gather waited before the next is issued.
+        one_lane_gathers = sorted(c for c in one_lane_graph if c[2].wait.meta.get(PARAM_GATHER))
+        assert (
+            most_alive([c[:2] for c in one_lane_gathers])
+            == 1
+            < most_alive([c[:2] for c in gathers])
+        )
+
+
+@pytest.mark.parametrize("fake_rank", [1], indirect=True)
 @pytest.mark.parametrize("backend", ["nccl", "gloo"])
 def test_gloo_reductions_run_on_a_group_of_their_own(fake_rank, backend):
     """On gloo a group runs one collective in flight, so the backward's next
@@ -188,7 +238,7 @@ def test_gloo_reductions_run_on_a_group_of_their_own(fake_rank, backend):
 
     with planning("torch", backend):
         _, backward = final_graphs(
-            disable_passes=("gather_hops",),
+            disable_passes=("gather_hops", "lanes"),
             reduce_scatter="all_to_all" if backend == "gloo" else "auto",
         )
     pos = positions(backward)

@@ -235,6 +235,7 @@ def test_pass_list_and_disable():
         "sync_buffers",
         "reduction_groups",
         "gather_hops",
+        "lanes",
         "overlap",
     ]
     assert [p.name for p in build_passes(zppc.Config(qwz="int8"))] == with_qwz
@@ -248,6 +249,7 @@ def test_pass_list_and_disable():
         "qgz",
         "reduction_groups",
         "gather_hops",
+        "lanes",
         "overlap",
     ]
     # Every pass a default config runs after `zero`, disabled.
@@ -266,6 +268,7 @@ def test_run_passes_records_every_pass(fake_pg):
         "reduce_scatter",
         "reduction_groups",
         "gather_hops",
+        "lanes",
         "overlap",
     ]
     assert ctx.records[1].removed == {"unshard.default": 1, "reduce_grad.default": 1}

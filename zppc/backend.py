@@ -29,7 +29,13 @@ from zppc.passes.overlap import pin_gather_issues
 from zppc.passes.partition import zppc_partition
 from zppc.passes.zero import find_collectives, gather_in_place
 from zppc.runtime.failures import boxed_naming_failures
-from zppc.runtime.topology import Topology, default_node_size, group_ranks, setup_groups
+from zppc.runtime.topology import (
+    Topology,
+    default_node_size,
+    ensure_lanes,
+    group_ranks,
+    setup_groups,
+)
 from zppc.schedule import CompileRecord, records_for, register_compile
 
 # Fields baked into the shards by `distribute`; options cannot change them later.
@@ -336,9 +342,10 @@ def _wrap_parameters_for_ddp(gm: fx.GraphModule, example_inputs, config: Config)
         if isinstance(t, nn.Parameter)
     ]
     world = dist.get_world_size()
-    groups = setup_groups(
-        Topology(world, config.node_size or default_node_size(world)), timeout_s=config.timeout_s
-    )
+    topology = Topology(world, config.node_size or default_node_size(world))
+    groups = setup_groups(topology, timeout_s=config.timeout_s)
+    if "lanes" not in config.disable_passes:
+        ensure_lanes(topology, groups, config.prefetch + 1, config.timeout_s)
     with torch.no_grad():
         for _, t in params:
             dist.broadcast(t.data, src=0)
