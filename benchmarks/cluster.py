@@ -243,5 +243,12 @@ class EmulatedCluster:
             raise ClusterError(f"the job did not finish within {timeout:.0f}s")
         failed = [i for i, p in enumerate(procs) if p.returncode]
         if failed:
-            raise ClusterError(f"node {failed[0]} failed:\n{outputs[failed[0]][-4000:]}")
+            # The whole output of every node, for what the error's tail cuts off.
+            logs = Path(tempfile.mkdtemp(prefix="zppc-cluster-failure-"))
+            for i, output in enumerate(outputs):
+                (logs / f"node{i}.log").write_text(output)
+            raise ClusterError(
+                f"node {failed[0]} failed (every node's output in {logs}):\n"
+                f"{outputs[failed[0]][-4000:]}"
+            )
         return outputs

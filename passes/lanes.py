@@ -8,8 +8,9 @@ Must run before `overlap`, whose one-in-flight rule is per group.
 Rewrite: on a gloo group kept to one collective in flight
 (`overlap.one_at_a_time`: not a hop world, whose runtime chains its own hops),
 the collectives of the graph, in program order, move in turn to the group's
-first `Config.prefetch + 1` lanes (`zppc.runtime.topology.group_lanes`: the
-group itself and groups over the same ranks made by `distribute`). On one
+first `Config.prefetch + 1` lanes (at most `MAX_LANES`;
+`zppc.runtime.topology.group_lanes`: the group itself and groups over the
+same ranks made by `distribute`). On one
 group, the next gather waited for the previous one before it was issued, and
 the next reduction for the previous reduction, on the main thread: one
 collective in flight, whatever `prefetch` allowed. On lanes the overlap pass's
@@ -29,7 +30,7 @@ from __future__ import annotations
 from torch import fx
 from zppc.passes.overlap import one_at_a_time
 from zppc.passes.zero import find_collectives
-from zppc.runtime.topology import group_lanes
+from zppc.runtime.topology import group_lanes, lane_count
 
 
 def lanes_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
@@ -37,7 +38,7 @@ def lanes_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     for m in find_collectives(gm.graph):
         if not one_at_a_time(m.group_name):
             continue
-        lanes = group_lanes(m.group_name)[: ctx.config.prefetch + 1]
+        lanes = group_lanes(m.group_name)[: lane_count(ctx.config.prefetch)]
         turn = turns.get(m.group_name, 0)
         turns[m.group_name] = turn + 1
         if lanes[turn % len(lanes)] != m.group_name:

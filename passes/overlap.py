@@ -41,7 +41,9 @@ unchanged):
    so each of its gloo groups carries one hop at a time while step 3's
    order stands: `prefetch` gathers ahead, as on NCCL, and `prefetch + 1`
    reductions in flight, one's intra-node hop beside the previous one's
-   crossing of the link.
+   crossing of the link. On a plain gloo group the `lanes` pass has spread
+   the collectives over `prefetch + 1` groups over the same ranks, so the
+   rule holds per lane and as many are in flight.
 
 Why a zppc pass and not torch's `schedule_overlap_bucketing`: torch's decides
 by estimated runtimes and a memory-ratio budget, and it reorders compute too.

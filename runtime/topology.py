@@ -296,6 +296,17 @@ def ensure_lanes(
                 _LANES.setdefault((world_epoch(), name), []).append(lane.group_name)
 
 
+# Lanes per group at most: one link carries them all, and every lane is a set of
+# gloo connections and threads per rank.
+MAX_LANES = 4
+
+
+def lane_count(prefetch: int) -> int:
+    """Lanes a group gets for `Config.prefetch`: one per collective the overlap
+    pass keeps in flight (`prefetch + 1`), at most `MAX_LANES`."""
+    return min(prefetch + 1, MAX_LANES)
+
+
 def group_lanes(group_name: str) -> tuple[str, ...]:
     """The group and its lanes (`ensure_lanes`), in the order they take turns."""
     return (group_name, *_LANES.get((world_epoch(), group_name), ()))

@@ -175,16 +175,19 @@ def test_two_hop_gathers_keep_the_prefetch_depth_on_gloo(fake_rank):
 
 
 @pytest.mark.parametrize("fake_rank", [1], indirect=True)
-@pytest.mark.parametrize("prefetch", [1, 2])
+@pytest.mark.parametrize("prefetch", [1, 2, 4])
 def test_gloo_lanes_keep_the_prefetch_depth(fake_rank, prefetch):
     """On a plain gloo group (the world group here: gather_hops off; on one
     rank per node or one node it is the layout) the `lanes` pass spreads the
     collectives over `prefetch + 1` groups over the same ranks in turn: each
     lane carries one collective at a time, and each gather goes out before
     the previous one is waited, with `prefetch + 1` reductions in flight,
-    where one lane waited each before the next."""
+    where one lane waited each before the next. Lanes stop at `MAX_LANES`
+    (4): prefetch 4 keeps 4 reductions in flight, not 5."""
     from zppc.passes import planning
-    from zppc.runtime.topology import group_lanes, reduction_twin
+    from zppc.runtime.topology import MAX_LANES, group_lanes, reduction_twin
+
+    lanes = min(prefetch + 1, MAX_LANES)
 
     def plan(backend, disable=("gather_hops",)):
         with planning("torch", backend):
@@ -202,12 +205,12 @@ def test_gloo_lanes_keep_the_prefetch_depth(fake_rank, prefetch):
         reductions = sorted(c for c in graph if not c[2].wait.meta.get(PARAM_GATHER))
         world = group_lanes(gathers[0][2].group_name)[0]
         assert [c[2].group_name for c in gathers] == [
-            group_lanes(world)[k % (prefetch + 1)] for k in range(len(gathers))
+            group_lanes(world)[k % lanes] for k in range(len(gathers))
         ]
         if reductions:
-            twin_lanes = group_lanes(reduction_twin(world))[: prefetch + 1]
+            twin_lanes = group_lanes(reduction_twin(world))[:lanes]
             assert {c[2].group_name for c in reductions} == set(twin_lanes)
-            assert most_alive([c[:2] for c in reductions]) == prefetch + 1
+            assert most_alive([c[:2] for c in reductions]) == lanes
         for lane in {c[2].group_name for c in graph}:
             assert most_alive([c[:2] for c in graph if c[2].group_name == lane]) == 1
         # Each gather goes out before the previous one is waited.

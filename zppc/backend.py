@@ -34,6 +34,7 @@ from zppc.runtime.topology import (
     default_node_size,
     ensure_lanes,
     group_ranks,
+    lane_count,
     setup_groups,
 )
 from zppc.schedule import CompileRecord, records_for, register_compile
@@ -345,7 +346,7 @@ def _wrap_parameters_for_ddp(gm: fx.GraphModule, example_inputs, config: Config)
     topology = Topology(world, config.node_size or default_node_size(world))
     groups = setup_groups(topology, timeout_s=config.timeout_s)
     if "lanes" not in config.disable_passes:
-        ensure_lanes(topology, groups, config.prefetch + 1, config.timeout_s)
+        ensure_lanes(topology, groups, lane_count(config.prefetch), config.timeout_s)
     with torch.no_grad():
         for _, t in params:
             dist.broadcast(t.data, src=0)

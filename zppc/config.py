@@ -150,7 +150,9 @@ class Config:
     compute of the previous `prefetch` buckets runs, and at most
     `prefetch + 1` gathered buckets are alive at once. 0 issues each gather
     when the previous bucket's weights are dead (no overlap of gathers with
-    their predecessors' compute, least memory)."""
+    their predecessors' compute, least memory). On gloo, where a group
+    carries one collective at a time, `distribute` creates `prefetch + 1`
+    lanes (groups over the same ranks) for the `lanes` pass."""
 
     cost_model: Any = None
     """A `zppc.cost.CostModel` (links and compute rates) the `overlap` pass

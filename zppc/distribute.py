@@ -64,6 +64,7 @@ from zppc.runtime.topology import (
     device_type,
     ensure_lanes,
     has_hop_groups,
+    lane_count,
     setup_groups,
     side_reduction_world,
     side_world_group,
@@ -311,7 +312,7 @@ def distribute(model: nn.Module, config: Config | None = None) -> nn.Module:
     topology = Topology(world_size=world, node_size=node_size)
     groups = setup_groups(topology, config.mesh, config.timeout_s)
     if "lanes" not in config.disable_passes:
-        ensure_lanes(topology, groups, config.prefetch + 1, config.timeout_s)
+        ensure_lanes(topology, groups, lane_count(config.prefetch), config.timeout_s)
     mesh = DeviceMesh.from_group(world_group(groups), device_type())
 
     state = DistributedState(
