@@ -176,12 +176,6 @@ def reduce_scatter_in_two_hops(flat: Tensor, group_name: str) -> Tensor:
     W - D. Sums accumulate in fp32 and round to `flat`'s dtype once per hop.
     Asynchronous, like a functional collective: `_c10d_functional.wait_tensor`
     on the result waits for it."""
-    return start_reduce_scatter_in_two_hops(flat, group_name)[0]
-
-
-def start_reduce_scatter_in_two_hops(flat: Tensor, group_name: str) -> tuple[Tensor, dist.Work]:
-    """`reduce_scatter_in_two_hops`, with the work that completes it (for a
-    caller outside a graph, which waits on the work itself: OSP's stage 2)."""
     from zppc.kernels.qgz import reorder_for_two_hops
 
     hops = two_hop_reduce_over(group_name)
@@ -202,14 +196,14 @@ def start_reduce_scatter_in_two_hops(flat: Tensor, group_name: str) -> tuple[Ten
     def sum_into_out() -> None:
         torch.sum(from_nodes.view(nodes, shard), dim=0, out=out)
 
-    work = _chain_two_hops(
+    _chain_two_hops(
         out,
         hops.world,
         lambda: dist.all_to_all_single(from_node, rows, group=hops.intra_node, async_op=True),
         across_nodes,
         sum_into_out,
     )
-    return out, work
+    return out
 
 
 @reduce_scatter_in_two_hops.register_fake
@@ -223,8 +217,8 @@ def _chain_two_hops(
     issue_first: Callable[[], dist.Work],
     issue_second: Callable[[], dist.Work],
     finish: Callable[[], None] | None = None,
-) -> dist.Work:
-    """Register on `out` (and return) a work that completes once the hop `issue_first`
+) -> None:
+    """Register on `out` a work that completes once the hop `issue_first`
     issues is done, then the hop `issue_second` issues, then `finish` (which
     fills `out`, where the second hop does not write it itself).
 
@@ -292,9 +286,7 @@ def _chain_two_hops(
     then_issue(
         torch.futures.collect_all([first_done, before_second]), issue_second, second_finished
     )
-    work = _ChainedWork(done)
-    torch._C._distributed_c10d._register_work(out, work)
-    return work
+    torch._C._distributed_c10d._register_work(out, _ChainedWork(done))
 
 
 class _ChainedWork(dist.Work):

@@ -47,11 +47,7 @@ from torch import Tensor
 from zppc.kernels import qgz as qgz_kernels
 from zppc.kernels.quant import FORMAT_BITS, PayloadLayout
 from zppc.runtime import compat
-from zppc.runtime.collectives import (
-    all_gather_flat,
-    bytes_per_peer,
-    start_reduce_scatter_in_two_hops,
-)
+from zppc.runtime.collectives import all_gather_flat, bytes_per_peer
 from zppc.runtime.failures import wait_for, waiting_on
 from zppc.runtime.ledger import record
 from zppc.runtime.topology import group_ranks, side_node_groups
@@ -93,23 +89,27 @@ class Reduction:
 
 @dataclass(frozen=True)
 class TwoHops:
-    """How stage 2 reduces a bucket with qgZ (`Config.qgz` set)."""
+    """How stage 2 reduces a bucket in two hops: with qgZ (`Config.qgz`), or
+    unquantized where stage 1's reduce-scatters take two hops."""
 
     intra_group: str
     cross_group: str
     """Side groups: this rank's node, and the ranks of its local rank on every node."""
     intra_quant: dict | None
-    """`block` and `bits` of the intra-node hop (None: unquantized, `qgz_quantize=False`)."""
+    """`block` and `bits` of the intra-node hop (None: unquantized: no qgZ, or `qgz_quantize=False`)."""
     cross_quant: dict | None
     residuals: dict[str, Tensor] | None
     """`qgz_error_feedback`: the model's residual store (what each hop's
     quantization lost at the previous step, added before the next one)."""
 
 
-def two_hops_for(config, topology, residuals: dict[str, Tensor]) -> TwoHops | None:
-    """Stage 2's qgZ hops for a model with `config` (None without qgz);
-    collective: it creates the side groups."""
-    if config.qgz is None:
+def two_hops_for(
+    config, topology, residuals: dict[str, Tensor], stage1_in_two_hops: bool
+) -> TwoHops | None:
+    """Stage 2's two hops for a model with `config`: qgZ's, or unquantized
+    where stage 1 reduce-scatters in two hops (gloo, several nodes of several
+    ranks); None otherwise. Collective: it creates the side groups."""
+    if config.qgz is None and not stage1_in_two_hops:
         return None
 
     def quant(fmt: str | None) -> dict | None:
@@ -118,6 +118,8 @@ def two_hops_for(config, topology, residuals: dict[str, Tensor]) -> TwoHops | No
         return dict(block=config.qgz_block_size, bits=FORMAT_BITS[fmt])
 
     intra, cross = side_node_groups(topology, config.timeout_s)
+    if config.qgz is None:
+        return TwoHops(intra, cross, None, None, None)
     return TwoHops(
         intra,
         cross,
@@ -129,9 +131,11 @@ def two_hops_for(config, topology, residuals: dict[str, Tensor]) -> TwoHops | No
 
 @dataclass
 class TwoHopReduction:
-    """One stage-2 bucket reduced in two qgZ hops: the same interface as
+    """One stage-2 bucket reduced in two hops: the same interface as
     `Reduction`, plus `advance`, which waits for the first hop and issues the
-    second."""
+    second. Both are issued from the thread that calls: no completion
+    callback is left pending when the process exits with a reduction in
+    flight (one issuing a hop from gloo's thread then aborted the process)."""
 
     hops: TwoHops
     key: str
@@ -140,6 +144,9 @@ class TwoHopReduction:
     """For ddp's gather of the shards back."""
     ddp_layout: list[tuple[int, int]] | None
     """ddp: (numel, columns) of each gradient in the rank-major rows, in order."""
+    wire_dtype: torch.dtype = torch.float32
+    """What unquantized hops send (the gradients' reduce dtype): sums
+    accumulate in fp32 and round to it once per hop, as stage 1's."""
     _pending: tuple | None = None
     """(work or None, received, peers, numel, quant, group) of the hop in flight."""
     _hop: int = 0
@@ -182,7 +189,7 @@ class TwoHopReduction:
             self._pending = (None, rows.reshape(-1), 1, numel, None, group_name)
             return
         if quant is None:
-            payload = rows.contiguous()
+            payload = rows.to(self.wire_dtype).contiguous()
         elif self.hops.residuals is None:
             payload = qgz_kernels.quantize_rows(rows, **quant)
         else:
@@ -316,13 +323,13 @@ class OspState:
     """Bumped when the stage-2 choice changes (once magnitudes are measured):
     graphs compiled for an older plan are compiled again."""
     two_hops: TwoHops | None = None
-    """`Config.qgz`: stage 2 reduces in two quantized hops."""
+    """Stage 2 reduces in two hops on side node groups: quantized with
+    `Config.qgz`, else unquantized where stage 1 reduce-scatters in two hops."""
     reduce_scatter: str = "native"
     """zero2/3 without qgZ: how stage 2's reduce-scatters run, `Config.reduce_scatter`
     resolved for the side group as the `reduce_scatter` pass resolves it for
     stage 1: "native", "all_to_all" (exchanged directly and summed here) or
-    "two_hop" (the side group is a reduction hop world,
-    `zppc.runtime.topology.side_reduction_world`)."""
+    "two_hop" (`two_hops` set)."""
     first_hops: list[TwoHopReduction] = field(default_factory=list)
     """Two-hop reductions whose cross-node hop is not issued yet, in issue order."""
 
@@ -595,9 +602,6 @@ def _issue_one(osp: OspState, send: Tensor, numel: int, mode: str, world: int) -
     if kind == "all_to_all":
         total = torch.empty_like(send)
         work = dist.all_to_all_single(total, send, group=group, async_op=True)
-    elif kind == "reduce_scatter" and osp.reduce_scatter == "two_hop":
-        # Inside the node, then across, on the side group's own hop groups.
-        total, work = start_reduce_scatter_in_two_hops(send, osp.group_name)
     elif kind == "reduce_scatter":
         total = send.new_empty(numel)
         work = compat.reduce_scatter_single(total, send, group=group, async_op=True)
@@ -616,7 +620,7 @@ def _issue_two_hops(osp, grads, fqns, shard_numels, mode, send, world) -> TwoHop
         columns = _ddp_columns(grads, world)
         layout = [(g.numel(), n) for g, n in zip(grads, columns, strict=True)]
         send = _rank_major(grads, columns, world)
-    reduction = TwoHopReduction(osp.two_hops, fqns, osp.group_name, layout)
+    reduction = TwoHopReduction(osp.two_hops, fqns, osp.group_name, layout, send.dtype)
     # Divided first, as the qgz pass does: the two sums are then the mean.
     reduction.issue(send.view(world, -1).float() / world)
     osp.first_hops.append(reduction)
@@ -672,7 +676,7 @@ def stage2_points(node) -> list:
         if peers == 1:
             continue
         if quant is None:
-            sent = torch.empty(peers, numel, dtype=torch.float32, device="meta")
+            sent = torch.empty(peers, numel, dtype=dtype, device="meta")
         else:
             nbytes = PayloadLayout(numel, quant["block"], quant["bits"]).nbytes
             sent = torch.empty(peers, nbytes, dtype=torch.uint8, device="meta")

@@ -327,23 +327,6 @@ def side_world_group(topology: Topology, timeout_s: float | None = None) -> str:
     return _keep_side_group(group, topology)
 
 
-def side_reduction_world(topology: Topology, timeout_s: float | None = None) -> str:
-    """A side group over the whole world, as `side_world_group`, that is a
-    reduction hop world with intra- and cross-node groups of its own (for a
-    layout with `has_hop_groups`): a reduce-scatter over it runs in two hops,
-    so OSP's stage 2 brings D (N - 1) slices into each node, as stage 1 does,
-    instead of the direct exchange's D (W - D), and its hops queue behind
-    neither stage 1's nor the gathers' (collective, like `side_world_group`)."""
-    timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
-    hop_world, intra, cross = _new_world_intra_cross(topology, timeout)
-    _HOPS[(world_epoch(), hop_world.group_name, "reduce")] = HopGroups(
-        hop_world.group_name, cross, intra
-    )
-    for group in (intra, cross):
-        _keep_side_group(group, topology)
-    return _keep_side_group(hop_world, topology)
-
-
 def side_node_groups(topology: Topology, timeout_s: float | None = None) -> tuple[str, str]:
     """A second intra-node and cross-node group of this rank (collective, like
     `side_world_group`, and for the same reason): OSP's quantized stage 2

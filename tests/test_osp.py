@@ -82,7 +82,7 @@ def test_osp_equals_the_reference_semantics(tmp_path):
 
 
 # 2 nodes x 2 ranks on gloo: both stages reduce in two hops (inside each
-# node, then across), stage 2 on side groups of its own.
+# node, then across), stage 2 as two all-to-alls on side groups of its own.
 TWO_HOP_RUNS = [
     ("zero3", "adamw", True, 1, "sync", (("node_size", 2),)),
     ("zero2", "sgd", False, 2, "sync", (("node_size", 2),)),
@@ -98,12 +98,13 @@ def test_osp_stage_two_reduces_in_two_hops_where_stage_one_does(tmp_path):
     for run in TWO_HOP_RUNS:
         assert results[0][run]["stage2"] == ["fc1.bias", "fc1.weight"], run
         _assert_equals_reference(results, run, 4)
-        # One reduce-scatter per stage and backward, each over a hop world
-        # (the ledger counts its two hops' bytes); no direct exchange.
+        # Per backward: stage 1's reduce-scatter over its hop world (the
+        # ledger counts its two hops' bytes), stage 2's intra- and cross-node
+        # all-to-alls; no direct exchange over the world.
         comm = results[0][run]["comm"]
         micro = run[3]
-        assert comm["calls"]["reduce_scatter"] == 2 * micro, (run, comm)
-        assert "all_to_all" not in comm["calls"], (run, comm)
+        assert comm["calls"]["reduce_scatter"] == micro, (run, comm)
+        assert comm["calls"]["all_to_all"] == 2 * micro, (run, comm)
 
 
 CLIPPED_RUNS = [
@@ -309,14 +310,20 @@ def test_plan_shows_stage_two_off_the_critical_path(capsys):
 
 
 def test_plan_on_gloo_reduces_stage_two_in_two_hops_like_stage_one(capsys):
-    """2 nodes x 4 on gloo: stage 2 is a reduce-scatter over a side hop world,
-    so the reductions bring as many bytes over the node links as the
-    synchronous plan's (a direct exchange brought 35% more)."""
+    """2 nodes x 4 on gloo: stage 2 takes two hops like stage 1's, an
+    all-to-all inside each node (4 ranks, nothing over the links), then one
+    across (2), on groups of its own, so the reductions bring as many bytes
+    over the node links as the synchronous plan's (a direct exchange over the
+    world brought 35% more)."""
     gloo = ("--backend", "gloo")
     synchronous = _schedule(capsys, *gloo)
     osp = _schedule(capsys, *gloo, "--osp", "0.5")
     stage2 = [r for r in osp["collectives"] if r["stage"] == 2]
-    assert stage2 and all(r["kind"] == "reduce_scatter" and r["two_hops"] for r in stage2)
+    assert stage2 and [(r["kind"], r["group_size"]) for r in stage2] == [
+        ("all_to_all", 4),
+        ("all_to_all", 2),
+    ] * (len(stage2) // 2)
+    assert all(r["inter_node_bytes"] == 0 for r in stage2[0::2])
     stage1_groups = {r["group_name"] for r in osp["collectives"] if r["stage"] == 1}
     assert not stage1_groups & {r["group_name"] for r in stage2}
 

@@ -66,7 +66,6 @@ from zppc.runtime.topology import (
     has_hop_groups,
     lane_count,
     setup_groups,
-    side_reduction_world,
     side_world_group,
     world_group,
 )
@@ -327,21 +326,22 @@ def distribute(model: nn.Module, config: Config | None = None) -> nn.Module:
     if config.osp is not None:
         from zppc.passes.reduce_scatter import algorithm_for
 
-        # Stage 2 runs on side groups: with qgZ its own node groups
-        # (`two_hops_for`), else a world group that reduces in two hops
-        # where stage 1 does.
-        if config.qgz is None and algorithm_for(config.reduce_scatter, groups.world) == "two_hop":
-            side_group = side_reduction_world(topology, config.timeout_s)
-        else:
-            side_group = side_world_group(topology, config.timeout_s)
+        # Stage 2 runs on side groups, a world group and (for its two hops,
+        # with qgZ or where stage 1 takes two hops) node groups of its own.
+        stage1 = algorithm_for(config.reduce_scatter, groups.world)
+        side_group = side_world_group(topology, config.timeout_s)
+        two_hops = two_hops_for(config, topology, state.qgz_residuals, stage1 == "two_hop")
         state.osp = OspState(
             index=state.grad_sync.index,
             lgp=config.osp_lgp,
             split=config.osp_split,
             group_name=side_group,
             model_state=weakref.ref(state),
-            two_hops=two_hops_for(config, topology, state.qgz_residuals),
-            reduce_scatter=algorithm_for(config.reduce_scatter, side_group),
+            two_hops=two_hops,
+            # The side world group has no hop groups: "two_hop" is `two_hops`.
+            reduce_scatter=(
+                stage1 if stage1 == "two_hop" else algorithm_for(config.reduce_scatter, side_group)
+            ),
         )
         register_osp(state.osp)
     if config.strategy == "rtp":
