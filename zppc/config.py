@@ -94,8 +94,8 @@ class Config:
     """OSP: the fraction of gradient bytes deferred to stage 2, in (0, 1): the
     reductions of the gradients produced last in backward (the first layers')
     are issued asynchronously and complete while the next iteration computes,
-    on side process groups (a zero2/3 reduce-scatter by `reduce_scatter`, as
-    stage 1's: in two hops on gloo with several nodes of several ranks).
+    on side process groups (in two hops, inside each node and then across,
+    where stage 1's reduce-scatters take them: `reduce_scatter`).
     None: every gradient is reduced before the optimizer step."""
 
     osp_lgp: bool = True
