@@ -60,13 +60,15 @@ def hop_order(rank, world, node_size, bucket_bytes):
     step = torch.compile(net, backend="zppc")
     x, y = net.batch(0)
     step(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
-    from zppc.runtime.topology import reduction_twin
+    from zppc.runtime.topology import group_lanes, reduction_twin
 
     groups = net._zppc_state.groups
-    # On gloo the hops run on the groups' twins (the reduction_groups pass).
+    # On gloo the hops run on the groups' twins (the reduction_groups pass),
+    # in turn on the twins' lanes (the lanes pass).
     where = {}
     for group, hop in ((groups.intra_node, "intra"), (groups.cross_node, "inter")):
-        where[group] = where[reduction_twin(group)] = hop
+        for name in (group, *group_lanes(reduction_twin(group))):
+            where[name] = hop
     a2a = torch.ops._c10d_functional.all_to_all_single.default
     wait = torch.ops._c10d_functional.wait_tensor.default
     events = []

@@ -152,7 +152,7 @@ class Config:
     when the previous bucket's weights are dead (no overlap of gathers with
     their predecessors' compute, least memory). On gloo, where a group
     carries one collective at a time, `distribute` creates `prefetch + 1`
-    lanes (groups over the same ranks) for the `lanes` pass."""
+    lanes (groups over the same ranks, at most 4) for the `lanes` pass."""
 
     cost_model: Any = None
     """A `zppc.cost.CostModel` (links and compute rates) the `overlap` pass
