@@ -41,6 +41,7 @@ def lanes_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         lanes = group_lanes(m.group_name)[: lane_count(ctx.config.prefetch)]
         turn = turns.get(m.group_name, 0)
         turns[m.group_name] = turn + 1
-        if lanes[turn % len(lanes)] != m.group_name:
-            m.move_to_group(lanes[turn % len(lanes)])
+        lane = lanes[turn % len(lanes)]
+        if lane != m.group_name:
+            m.move_to_group(lane)
     return gm

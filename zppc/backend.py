@@ -21,7 +21,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 import zppc.ir  # noqa: F401
 from zppc.config import Config
-from zppc.distribute import DistributedState, live_states, state_of_shard
+from zppc.distribute import DistributedState, live_states, setup_lanes, state_of_shard
 from zppc.inductor_fixes import cpu_kernels_release_the_gil, cpu_loop_split_keeps_tails
 from zppc.inspect import dump_compile
 from zppc.passes import PassContext, is_planning, run_passes
@@ -32,9 +32,7 @@ from zppc.runtime.failures import boxed_naming_failures
 from zppc.runtime.topology import (
     Topology,
     default_node_size,
-    ensure_lanes,
     group_ranks,
-    lane_count,
     setup_groups,
 )
 from zppc.schedule import CompileRecord, records_for, register_compile
@@ -345,8 +343,7 @@ def _wrap_parameters_for_ddp(gm: fx.GraphModule, example_inputs, config: Config)
     world = dist.get_world_size()
     topology = Topology(world, config.node_size or default_node_size(world))
     groups = setup_groups(topology, timeout_s=config.timeout_s)
-    if "lanes" not in config.disable_passes:
-        ensure_lanes(topology, groups, lane_count(config.prefetch), config.timeout_s)
+    setup_lanes(config, topology, groups)
     with torch.no_grad():
         for _, t in params:
             dist.broadcast(t.data, src=0)

@@ -310,8 +310,7 @@ def distribute(model: nn.Module, config: Config | None = None) -> nn.Module:
 
     topology = Topology(world_size=world, node_size=node_size)
     groups = setup_groups(topology, config.mesh, config.timeout_s)
-    if "lanes" not in config.disable_passes:
-        ensure_lanes(topology, groups, lane_count(config.prefetch), config.timeout_s)
+    setup_lanes(config, topology, groups)
     mesh = DeviceMesh.from_group(world_group(groups), device_type())
 
     state = DistributedState(
@@ -709,6 +708,13 @@ def fingerprint(config: Config, node_size: int, model: nn.Module) -> dict[str, s
     ]
     fields["model structure"] = hashlib.sha256(repr(structure).encode()).hexdigest()[:16]
     return fields
+
+
+def setup_lanes(config: Config, topology: Topology, groups: Groups) -> None:
+    """The gloo lanes the `lanes` pass spreads collectives over, for `config`'s
+    prefetch depth (collective; nothing where the pass is disabled)."""
+    if "lanes" not in config.disable_passes:
+        ensure_lanes(topology, groups, lane_count(config.prefetch), config.timeout_s)
 
 
 def check_agreement(
