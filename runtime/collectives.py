@@ -10,7 +10,11 @@ would keep gathered weights alive and pin the scheduler).
 
 from __future__ import annotations
 
+import atexit
+import sys
+import time
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -243,6 +247,8 @@ def _chain_two_hops(
     first_done, second_done = torch.futures.Future(), torch.futures.Future()
     done: torch.futures.Future = torch.futures.Future()
     _LATEST_HOPS[key] = (first_done, second_done)
+    _UNFINISHED.add(done)
+    done.add_done_callback(_UNFINISHED.discard)
 
     def fail(exc: BaseException) -> None:
         for future in (first_done, second_done, done):
@@ -297,7 +303,13 @@ class _ChainedWork(dist.Work):
         super().__init__()
         self._done = done
 
-    def wait(self, timeout: object = None) -> bool:
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Wait for both hops; with a nonzero `timeout` (c10d's `Work.wait`
+        argument; `wait_tensor` passes zero, c10d's "no timeout"), raise
+        `TimeoutError` if they are not done by then."""
+        seconds = timeout.total_seconds() if timeout is not None else 0.0
+        if seconds > 0 and not _wait_until_done([self._done], seconds):
+            raise TimeoutError(f"a two-hop collective did not finish within {timeout}")
         self._done.wait()
         return True
 
@@ -306,6 +318,43 @@ class _ChainedWork(dist.Work):
 
     def get_future(self) -> torch.futures.Future:
         return self._done
+
+
+def _wait_until_done(futures: list[torch.futures.Future], seconds: float) -> bool:
+    """Whether every future is done within `seconds` (polled: the callbacks
+    that complete them need the GIL this thread gives up while it sleeps)."""
+    deadline = time.monotonic() + seconds
+    while not all(f.done() for f in futures):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+# Two-hop collectives issued and not finished, whether or not anyone waits.
+_UNFINISHED: set[torch.futures.Future] = set()
+# How long the interpreter's exit waits for them (see `_finish_before_exit`).
+EXIT_WAIT_S = 120.0
+
+
+@atexit.register
+def _finish_before_exit() -> None:
+    """Let two-hop collectives still in flight finish before the interpreter
+    shuts down. Their next hops are issued from gloo's completion callbacks,
+    Python code; one that ran during shutdown aborted the process ("terminate
+    called without an active exception", where plain gloo collectives left
+    unwaited exit cleanly): a script that ends, or is interrupted, with a
+    two-hop collective issued and not waited (an exception or Ctrl-C between a
+    graph's issue and its wait). Bounded, so a peer that is gone does not hold
+    the exit: past `EXIT_WAIT_S` it says what it left and returns."""
+    pending = list(_UNFINISHED)
+    if pending and not _wait_until_done(pending, EXIT_WAIT_S):
+        left = sum(not f.done() for f in pending)
+        print(
+            f"zppc: {left} two-hop collective(s) still in flight after waiting "
+            f"{EXIT_WAIT_S:.0f} s at exit; the process may abort",
+            file=sys.stderr,
+        )
 
 
 # The predecessor of the first two-hop collective over a hop world.

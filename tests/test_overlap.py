@@ -638,6 +638,23 @@ def test_two_hop_gathers_equal_gloo_all_gather():
         assert list(most.values()) == [1, 1], most
 
 
+def test_a_two_hop_wait_with_a_timeout_raises_when_it_passes():
+    """c10d's `Work.wait(timeout)` on a two-hop collective's work: raises
+    `TimeoutError` while the hops are unfinished, returns once they are."""
+    from datetime import timedelta
+
+    from zppc.runtime.collectives import _ChainedWork
+
+    done = torch.futures.Future()
+    work = _ChainedWork(done)
+    with pytest.raises(TimeoutError, match="did not finish within"):
+        work.wait(timedelta(seconds=0.05))
+    assert not work.is_completed()
+    done.set_result(None)
+    assert work.wait(timedelta(0))  # c10d's "no timeout", as wait_tensor passes
+    assert work.wait(timedelta(seconds=0.05)) and work.wait() and work.is_completed()
+
+
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_a_failed_hop_raises_where_its_collective_is_waited():

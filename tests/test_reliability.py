@@ -178,3 +178,40 @@ def test_torchrun_restarts_the_demo_from_its_last_checkpoint(tmp_path):
     # Step 2 ran in both attempts: from the live state, then from the checkpoint.
     # Resume is exact: the same loss to the printed digit (6 decimals).
     assert len(losses[2]) == 2 and losses[2][0] == losses[2][1], losses
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", ["return", "raise"])
+def test_exit_with_two_hop_collectives_in_flight_is_clean(mode):
+    """A script that ends (or fails) with two-hop collectives issued and not
+    waited exits as one with plain gloo collectives does: its own exit code,
+    no abort. Their later hops are issued from gloo's completion callbacks;
+    one that ran while the interpreter shut down aborted the process
+    ("terminate called without an active exception", exit code -6), every
+    run here before zppc waited for them at exit."""
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    done = subprocess.run(
+        [
+            torchrun,
+            "--standalone",
+            "--nproc-per-node",
+            "4",
+            os.path.join(here, "exit_in_flight.py"),
+        ],
+        env={**os.environ, "MODE": mode, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    output = done.stdout + done.stderr
+    assert output.count("leaving with 16 collectives issued") == 4, output[-3000:]
+    assert "terminate called" not in output and "exitcode: -6" not in output, output[-3000:]
+    if mode == "return":
+        assert done.returncode == 0, output[-3000:]
+    else:
+        assert done.returncode == 1 and "a user's error mid-step" in output, output[-3000:]
