@@ -3,7 +3,10 @@ gradients and accumulation without communication, on 2-4 gloo ranks."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import reliability_workers as rw
@@ -11,6 +14,14 @@ import torch
 from spawn import run_ranks
 
 pytestmark = pytest.mark.multiproc
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _standalone_torchrun(nproc: int) -> list[str]:
+    """torchrun from this interpreter's environment, one machine, `nproc` ranks."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    return [torchrun, "--standalone", "--nproc-per-node", str(nproc)]
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -142,14 +153,9 @@ def test_interrupted_save_leaves_the_previous_checkpoint_loadable(tmp_path):
 
 
 def _demo(tmp_path, name: str, *extra: str) -> str:
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    command = [torchrun, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1"]
-    command += [os.path.join(root, "examples", "train_gpt.py"), "--preset", "gpt-tiny"]
+    command = [*_standalone_torchrun(2), "--max-restarts", "1"]
+    command += [os.path.join(os.path.dirname(HERE), "examples", "train_gpt.py")]
+    command += ["--preset", "gpt-tiny"]
     command += ["--steps", "6", "--lowering", "eager", "--node-size", "1", "--batch-size", "2"]
     command += ["--corpus-mb", "0.5", "--checkpoint", str(tmp_path / name), "--save-every", "2"]
     done = subprocess.run(
@@ -189,20 +195,8 @@ def test_exit_with_two_hop_collectives_in_flight_is_clean(mode):
     one that ran while the interpreter shut down aborted the process
     ("terminate called without an active exception", exit code -6), every
     run here before zppc waited for them at exit."""
-    import os
-    import subprocess
-    import sys
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     done = subprocess.run(
-        [
-            torchrun,
-            "--standalone",
-            "--nproc-per-node",
-            "4",
-            os.path.join(here, "exit_in_flight.py"),
-        ],
+        [*_standalone_torchrun(4), os.path.join(HERE, "exit_in_flight.py")],
         env={**os.environ, "MODE": mode, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
