@@ -35,15 +35,18 @@ unchanged):
    gradient alive: +72 MiB peak per rank on gpt-medium at 2 ranks).
 
 4. On gloo groups, at most one collective per group is in flight
-   (`one_in_flight_on_gloo`), except over a hop world (gathers and
-   reductions over several nodes of several ranks): a two-hop collective's
-   runtime issues each hop once the previous collective's same hop is done,
-   so each of its gloo groups carries one hop at a time while step 3's
-   order stands: `prefetch` gathers ahead, as on NCCL, and `prefetch + 1`
-   reductions in flight, one's intra-node hop beside the previous one's
-   crossing of the link. On a plain gloo group the `lanes` pass has spread
-   the collectives over `prefetch + 1` groups over the same ranks, so the
-   rule holds per lane and as many are in flight.
+   (`one_in_flight_on_gloo`), except where the runtime chains them: over a
+   hop world (gathers and reductions over several nodes of several ranks) a
+   two-hop collective's runtime issues each hop once the previous
+   collective's same hop is done, so each of its gloo groups carries one hop
+   at a time while step 3's order stands: `prefetch` gathers ahead, as on
+   NCCL, and `prefetch + 1` reductions in flight, one's intra-node hop beside
+   the previous one's crossing of the link. Gathers over a plain gloo group
+   are chained the same way, one hop each, so they too stay `prefetch` ahead
+   and cross in the order they are needed. Other collectives on a plain gloo
+   group (the reductions, on its twin) have been spread by the `lanes` pass
+   over `prefetch + 1` groups over the same ranks, so the rule holds per lane
+   and as many are in flight.
 
 Why a zppc pass and not torch's `schedule_overlap_bucketing`: torch's decides
 by estimated runtimes and a memory-ratio budget, and it reorders compute too.
@@ -70,6 +73,7 @@ from zppc.passes.zero import (
 )
 from zppc.runtime import compat
 from zppc.runtime.topology import (
+    gathers_in_issue_order,
     group_backend,
     group_ranks,
     two_hop_gather_over,
@@ -478,39 +482,29 @@ def one_in_flight_on_gloo(matches: list[CollectiveMatch], order: _Order) -> None
     next collective on the same group is issued: one collective in flight per
     group, still overlapping compute. Observed here: with several in flight on
     one gloo group (zppc's overlap, and FSDP2's prefetch alike), a rank now
-    and then died without a message, under load. A hop world is no gloo
-    group of its own: its runtime keeps its hop groups to one hop in flight
-    each (`zppc.runtime.collectives._chain_two_hops`), so its gathers and
-    reductions keep step 3's depth. NCCL keeps the full order; a plan does
-    what the backend it plans for does. The backend is a property of the
-    group, the same on every rank."""
-    _gathers_after_the_previous_wait(matches, order)
-    latest: dict[str, CollectiveMatch] = {}
+    and then died without a message, under load. Two kinds keep step 3's
+    depth all the same, because their runtime puts one hop at a time on each
+    gloo group (`zppc.runtime.collectives._chain_hops`): collectives over a
+    hop world (several nodes of several ranks), and gathers over a plain
+    gloo group, which cross in the order they were issued
+    (`gathers_in_issue_order`); another collective on that group still waits
+    for them, and they for it. NCCL keeps the full order; a plan does what
+    the backend it plans for does. The backend is a property of the group,
+    the same on every rank."""
+    in_flight: dict[str, list[CollectiveMatch]] = {}
     for m in sorted(matches, key=lambda m: order[m.issue]):
-        before = latest.get(m.group_name)
-        if (
-            before is not None
-            and order[before.wait] > order[m.issue]
-            and one_at_a_time(m.group_name)
-        ):
-            order.move_before(before.wait, min(m.record, m.issue, key=order.__getitem__))
-        latest[m.group_name] = m
-
-
-def _gathers_after_the_previous_wait(matches: list[CollectiveMatch], order: _Order) -> None:
-    """On a group kept to one in flight (`one_at_a_time`), a parameter gather
-    issued before the previous gather's wait would wait that gather right
-    there, before compute it could have run under (the forward's first
-    gathers, all issued at the top, were all waited before the first layer
-    computed): it moves down to just after that wait, its ledger hook with
-    it."""
-    previous: dict[str, CollectiveMatch] = {}
-    gathers = [m for m in matches if is_param_gather(m) and one_at_a_time(m.group_name)]
-    for m in sorted(gathers, key=lambda m: order[m.issue]):
-        before = previous.get(m.group_name)
-        if before is not None and order[m.issue] < order[before.wait] < order[m.wait]:
-            _place_gather(m, _Cursor(before.wait, order))
-        previous[m.group_name] = m
+        if not one_at_a_time(m.group_name):
+            continue
+        issued_at = min(m.record, m.issue, key=order.__getitem__)
+        still_in_flight = []
+        for before in in_flight.get(m.group_name, ()):
+            if order[before.wait] < order[m.issue]:
+                continue
+            if queued_in_issue_order(before) and queued_in_issue_order(m):
+                still_in_flight.append(before)
+            else:
+                order.move_before(before.wait, issued_at)
+        in_flight[m.group_name] = [*still_in_flight, m]
 
 
 def is_param_gather(m: CollectiveMatch) -> bool:
@@ -527,12 +521,23 @@ def one_at_a_time(group_name: str) -> bool:
     )
 
 
+def queued_in_issue_order(m: CollectiveMatch) -> bool:
+    """Whether the runtime queues `m` behind the earlier gathers over its group
+    (`gathers_in_issue_order`): every all-gather lowers to
+    `zppc::all_gather_in_place`, which does."""
+    return m.kind == "all_gather" and gathers_in_issue_order(m.group_name, backend_of(m.group_name))
+
+
 def on_gloo(group_name: str) -> bool:
-    """Whether the group runs on gloo: a plan's groups (the fake process group)
-    stand for the backend it plans for."""
+    return backend_of(group_name) == "gloo"
+
+
+def backend_of(group_name: str) -> str:
+    """The group's backend: a plan's groups (the fake process group) stand for
+    the backend it plans for."""
     from zppc.passes import planned_backend
 
-    return (planned_backend() or group_backend(group_name)) == "gloo"
+    return planned_backend() or group_backend(group_name)
 
 
 def _output_only_tail(wait: fx.Node, order: _Order) -> set[fx.Node]:

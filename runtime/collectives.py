@@ -13,7 +13,7 @@ from __future__ import annotations
 import atexit
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch
@@ -25,6 +25,7 @@ from zppc.runtime.ledger import record
 from zppc.runtime.topology import (
     TWO_HOPS_NEED,
     HopGroups,
+    gathers_in_issue_order,
     group_ranks,
     group_size,
     reduction_hops,
@@ -136,8 +137,14 @@ def all_gather_in_place(shard: Tensor, group_name: str) -> Tensor:
         return out
     mine = out.narrow(0, dist.get_rank(group) * shard.numel(), shard.numel())
     mine.copy_(shard.reshape(-1))
-    work = compat.all_gather_single(out, mine, group=group, async_op=True)
-    torch._C._distributed_c10d._register_work(out, work)
+
+    def issue() -> dist.Work:
+        return compat.all_gather_single(out, mine, group=group, async_op=True)
+
+    if gathers_in_issue_order(group_name, dist.get_backend(group)):
+        _chain_hops(out, group_name, [issue])
+    else:
+        torch._C._distributed_c10d._register_work(out, issue())
     return out
 
 
@@ -157,13 +164,15 @@ def _two_hop_gather(out: Tensor, shard: Tensor, hops: HopGroups) -> None:
     across = shard.new_empty(nodes * n)
     columns = list(out.view(nodes, per_node, n).unbind(1))
 
-    _chain_two_hops(
+    _chain_hops(
         out,
         hops.world,
-        lambda: compat.all_gather_single(across, shard, group=hops.cross_node, async_op=True),
-        lambda: dist.all_gather(
-            columns, across.view(nodes, n), group=hops.intra_node, async_op=True
-        ),
+        [
+            lambda: compat.all_gather_single(across, shard, group=hops.cross_node, async_op=True),
+            lambda: dist.all_gather(
+                columns, across.view(nodes, n), group=hops.intra_node, async_op=True
+            ),
+        ],
     )
 
 
@@ -200,11 +209,13 @@ def reduce_scatter_in_two_hops(flat: Tensor, group_name: str) -> Tensor:
     def sum_into_out() -> None:
         torch.sum(from_nodes.view(nodes, shard), dim=0, out=out)
 
-    _chain_two_hops(
+    _chain_hops(
         out,
         hops.world,
-        lambda: dist.all_to_all_single(from_node, rows, group=hops.intra_node, async_op=True),
-        across_nodes,
+        [
+            lambda: dist.all_to_all_single(from_node, rows, group=hops.intra_node, async_op=True),
+            across_nodes,
+        ],
         sum_into_out,
     )
     return out
@@ -215,25 +226,27 @@ def _(flat: Tensor, group_name: str) -> Tensor:
     return flat.new_empty(flat.numel() // group_size(group_name))
 
 
-def _chain_two_hops(
+def _chain_hops(
     out: Tensor,
-    hop_world: str,
-    issue_first: Callable[[], dist.Work],
-    issue_second: Callable[[], dist.Work],
+    chain: str,
+    hops: Sequence[Callable[[], dist.Work]],
     finish: Callable[[], None] | None = None,
 ) -> None:
-    """Register on `out` a work that completes once the hop `issue_first`
-    issues is done, then the hop `issue_second` issues, then `finish` (which
-    fills `out`, where the second hop does not write it itself).
+    """Register on `out` a work that completes once each hop in `hops` (a
+    function issuing one collective) has run, in order, then `finish` (which
+    fills `out`, where the last hop does not write it itself).
 
-    Each hop is issued once the same hop of the previous collective over
-    `hop_world` has completed: every rank issues them in the same order, each
-    hop's gloo group has one collective in flight however many two-hop
+    Each hop is issued once the same hop of the previous collective of the
+    chain named `chain` has completed (a hop world's name, or a plain gloo
+    group's for its gathers): every rank issues them in the same order, each
+    hop's gloo group has one collective in flight however many of the chain's
     collectives are (several in flight on one gloo group killed ranks here
-    under load, `zppc.passes.overlap.one_in_flight_on_gloo`), and a
-    collective's first hop runs while the previous one's second does. A hop
-    whose predecessor is done is issued at once, from the calling thread;
-    otherwise from a completion callback, so the main thread never waits.
+    under load, `zppc.passes.overlap.one_in_flight_on_gloo`), and the link
+    serves them in the order they were issued, which is the order the graph
+    needs them. Over a hop world, a collective's first hop runs while the
+    previous one's second does. A hop whose predecessors are done is issued
+    at once, from the calling thread; otherwise from a completion callback,
+    so the main thread never waits.
 
     Callbacks run on gloo's threads, where grad mode is on whatever the
     caller's was: hops are issued and `finish` runs with autograd off (a hop
@@ -242,62 +255,57 @@ def _chain_two_hops(
     The registered work's `wait` raises a hop's failure on the waiting
     thread; c10d's work made from a future returns as if it had succeeded,
     and the rank went on with an unwritten `out`."""
-    key = (world_epoch(), hop_world)
-    before_first, before_second = _LATEST_HOPS.get(key, (_DONE, _DONE))
-    first_done, second_done = torch.futures.Future(), torch.futures.Future()
+    key = (world_epoch(), chain)
+    before = _LATEST_HOPS.get(key, (_DONE,) * len(hops))
+    hop_done = tuple(torch.futures.Future() for _ in hops)
     done: torch.futures.Future = torch.futures.Future()
-    _LATEST_HOPS[key] = (first_done, second_done)
+    _LATEST_HOPS[key] = hop_done
     _UNFINISHED.add(done)
     done.add_done_callback(_UNFINISHED.discard)
 
     def fail(exc: BaseException) -> None:
-        for future in (first_done, second_done, done):
+        for future in (*hop_done, done):
             if not future.done():
                 future.set_exception(exc)
 
-    def then_issue(after: torch.futures.Future, issue, on_done) -> None:
+    def finished(index: int) -> Callable[[torch.futures.Future], None]:
+        def on_done(work: torch.futures.Future) -> None:
+            try:
+                work.wait()
+                hop_done[index].set_result(None)
+                if index == len(hops) - 1:
+                    if finish is not None:
+                        with torch.no_grad():
+                            finish()
+                    done.set_result([out])
+            except Exception as exc:  # noqa: BLE001  (handed to the waiting thread)
+                fail(exc)
+
+        return on_done
+
+    def issue_when(ready: list[torch.futures.Future], index: int) -> None:
         def issue_hop(ready: torch.futures.Future) -> None:
             try:
                 for future in ready.value():
                     future.wait()  # raises an earlier hop's failure
                 with torch.no_grad():
-                    work = issue()
-            except Exception as exc:  # noqa: BLE001  (handed to the waiting thread)
+                    work = hops[index]()
+            except Exception as exc:  # noqa: BLE001
                 fail(exc)
                 return
-            work.get_future().then(on_done)
+            work.get_future().then(finished(index))
 
-        after.then(issue_hop)
+        torch.futures.collect_all(ready).then(issue_hop)
 
-    def first_finished(first: torch.futures.Future) -> None:
-        try:
-            first.wait()
-        except Exception as exc:  # noqa: BLE001
-            fail(exc)
-            return
-        first_done.set_result(None)
-
-    def second_finished(second: torch.futures.Future) -> None:
-        try:
-            second.wait()
-            second_done.set_result(None)
-            if finish is not None:
-                with torch.no_grad():
-                    finish()
-            done.set_result([out])
-        except Exception as exc:  # noqa: BLE001
-            fail(exc)
-
-    then_issue(torch.futures.collect_all([before_first]), issue_first, first_finished)
-    then_issue(
-        torch.futures.collect_all([first_done, before_second]), issue_second, second_finished
-    )
+    for index in range(len(hops)):
+        this_collectives_previous_hop = [hop_done[index - 1]] if index else []
+        issue_when([before[index], *this_collectives_previous_hop], index)
     torch._C._distributed_c10d._register_work(out, _ChainedWork(done))
 
 
 class _ChainedWork(dist.Work):
-    """A two-hop collective's work: done once its future is, and its `wait`
-    raises the error a hop failed with (see `_chain_two_hops`)."""
+    """A chained collective's work (`_chain_hops`): done once its future is, and its `wait`
+    raises the error a hop failed with (see `_chain_hops`)."""
 
     def __init__(self, done: torch.futures.Future) -> None:
         super().__init__()
@@ -309,7 +317,7 @@ class _ChainedWork(dist.Work):
         `TimeoutError` if they are not done by then."""
         seconds = timeout.total_seconds() if timeout is not None else 0.0
         if seconds > 0 and not _wait_until_done([self._done], seconds):
-            raise TimeoutError(f"a two-hop collective did not finish within {timeout}")
+            raise TimeoutError(f"a chained collective did not finish within {timeout}")
         self._done.wait()
         return True
 
@@ -331,7 +339,7 @@ def _wait_until_done(futures: list[torch.futures.Future], seconds: float) -> boo
     return True
 
 
-# Two-hop collectives issued and not finished, whether or not anyone waits.
+# Chained collectives issued and not finished, whether or not anyone waits.
 _UNFINISHED: set[torch.futures.Future] = set()
 # How long the interpreter's exit waits for them (see `_finish_before_exit`).
 EXIT_WAIT_S = 120.0
@@ -339,30 +347,30 @@ EXIT_WAIT_S = 120.0
 
 @atexit.register
 def _finish_before_exit() -> None:
-    """Let two-hop collectives still in flight finish before the interpreter
+    """Let chained collectives (`_chain_hops`) still in flight finish before the interpreter
     shuts down. Their next hops are issued from gloo's completion callbacks,
     Python code; one that ran during shutdown aborted the process ("terminate
     called without an active exception", where plain gloo collectives left
     unwaited exit cleanly): a script that ends, or is interrupted, with a
-    two-hop collective issued and not waited (an exception or Ctrl-C between a
+    chained collective issued and not waited (an exception or Ctrl-C between a
     graph's issue and its wait). Bounded, so a peer that is gone does not hold
     the exit: past `EXIT_WAIT_S` it says what it left and returns."""
     pending = list(_UNFINISHED)
     if pending and not _wait_until_done(pending, EXIT_WAIT_S):
         left = sum(not f.done() for f in pending)
         print(
-            f"zppc: {left} two-hop collective(s) still in flight after waiting "
+            f"zppc: {left} chained collective(s) still in flight after waiting "
             f"{EXIT_WAIT_S:.0f} s at exit; the process may abort",
             file=sys.stderr,
         )
 
 
-# The predecessor of the first two-hop collective over a hop world.
+# The predecessor of the first collective of a chain.
 _DONE: torch.futures.Future = torch.futures.Future()
 _DONE.set_result(None)
-# (world epoch, hop world name) -> futures completed once the latest two-hop
-# collective over it finished its first and its second hop.
-_LATEST_HOPS: dict[tuple[int, str], tuple[torch.futures.Future, torch.futures.Future]] = {}
+# (world epoch, chain name) -> futures completed once the latest collective
+# of the chain finished each of its hops.
+_LATEST_HOPS: dict[tuple[int, str], tuple[torch.futures.Future, ...]] = {}
 
 
 @all_gather_in_place.register_fake

@@ -248,6 +248,17 @@ def gather_hops(group_name: str) -> HopGroups | None:
     return _HOPS.get((world_epoch(), group_name, "gather"))
 
 
+def gathers_in_issue_order(group_name: str, backend: str) -> bool:
+    """Whether zppc's all-gathers over this group (of `backend`) cross one at
+    a time in the order they were issued, the runtime issuing each once the
+    previous one is done (`zppc.runtime.collectives._chain_hops`): on gloo,
+    where one group carries one collective at a time, unless the group is a
+    gather hop world (whose hops are chained the same way). The graph still
+    issues them `Config.prefetch` ahead; the link then serves the one needed
+    first, where gathers on separate groups shared it and all finished late."""
+    return backend == "gloo" and two_hop_gather_over(group_name) is None
+
+
 def reduction_hops(group_name: str) -> HopGroups | None:
     """The two-hop reduce-scatter groups of a world group, or of their hop
     world; None where a group has none (as `gather_hops`)."""

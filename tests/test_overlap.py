@@ -118,31 +118,37 @@ def test_gathers_prefetched_within_the_memory_bound(fake_rank, prefetch):
 
 
 @pytest.mark.parametrize("fake_rank", [1], indirect=True)
-@pytest.mark.parametrize("backend", ["nccl", "gloo"])
-def test_forward_gathers_issued_in_the_order_they_are_used(fake_rank, backend):
+def test_forward_gathers_issued_in_the_order_they_are_used(fake_rank):
     """Collectives on one group run in the order they are issued (NCCL's
-    stream, gloo's one in flight), so a gather issued ahead of one used before
-    it delays that one: the tied embedding's, issued after the first
-    prefetches, held the first layer behind all of them. On a gloo group each
-    gather is issued just after the previous one's wait, with compute under
-    it (gathers over the world group here, on one lane: in two hops, or on
-    lanes, they keep NCCL's order, `test_two_hop_gathers_keep_the_prefetch_depth_on_gloo`,
-    `test_gloo_lanes_keep_the_prefetch_depth`)."""
+    stream; on gloo the runtime chains a group's gathers,
+    `zppc.runtime.collectives._chain_hops`), so a gather issued ahead of one
+    used before it delays that one: the tied embedding's, issued after the
+    first prefetches, held the first layer behind all of them. Gathers over a
+    plain gloo group (the world group here, gather_hops off; on one rank per
+    node it is the layout) are placed as on NCCL: `prefetch` ahead, each
+    before the previous one's wait, compute under each. (Before they were
+    chained, the plan waited each gather before issuing the next.)"""
     from zppc.passes import planning
 
-    with planning("torch", backend):
-        forward, _ = final_graphs(disable_passes=("gather_hops", "lanes"))
-    pos = positions(forward)
-    gathers = [m for m in find_collectives(forward.graph) if m.wait.meta.get(PARAM_GATHER)]
-    gathers.sort(key=lambda m: pos[m.issue])
+    def forward_gathers(backend):
+        with planning("torch", backend):
+            forward, _ = final_graphs(disable_passes=("gather_hops", "lanes"))
+        pos = positions(forward)
+        gathers = [m for m in find_collectives(forward.graph) if m.wait.meta.get(PARAM_GATHER)]
+        return forward, pos, sorted(gathers, key=lambda m: pos[m.issue])
+
+    forward, pos, gathers = forward_gathers("gloo")
     assert len(gathers) >= 4
     uses = [first_use(m, pos) for m in gathers]
     assert uses == sorted(uses)
-    if backend == "gloo":
-        matmuls = matmul_positions(forward, pos)
-        for before, m in zip(gathers[:-1], gathers[1:], strict=True):
-            assert pos[before.wait] < pos[m.issue]
-            assert any(pos[m.issue] < p < pos[m.wait] for p in matmuls), "nothing runs under it"
+    matmuls = matmul_positions(forward, pos)
+    for before, m in zip(gathers[:-1], gathers[1:], strict=True):
+        assert pos[m.issue] < pos[before.wait]
+        assert any(pos[m.issue] < p < pos[m.wait] for p in matmuls), "nothing runs under it"
+    _, nccl_pos, nccl_gathers = forward_gathers("nccl")
+    assert [(pos[m.issue], pos[m.wait]) for m in gathers] == [
+        (nccl_pos[m.issue], nccl_pos[m.wait]) for m in nccl_gathers
+    ]
 
 
 @pytest.mark.parametrize("fake_rank", [1], indirect=True)
@@ -176,14 +182,16 @@ def test_two_hop_gathers_keep_the_prefetch_depth_on_gloo(fake_rank):
 
 @pytest.mark.parametrize("fake_rank", [1], indirect=True)
 @pytest.mark.parametrize("prefetch", [1, 2, 4])
-def test_gloo_lanes_keep_the_prefetch_depth(fake_rank, prefetch):
+def test_plain_gloo_groups_keep_the_prefetch_depth(fake_rank, prefetch):
     """On a plain gloo group (the world group here: gather_hops off; on one
-    rank per node or one node it is the layout) the `lanes` pass spreads the
-    collectives over `prefetch + 1` groups over the same ranks in turn: each
-    lane carries one collective at a time, and each gather goes out before
-    the previous one is waited, with `prefetch + 1` reductions in flight,
-    where one lane waited each before the next. Lanes stop at `MAX_LANES`
-    (4): prefetch 4 keeps 4 reductions in flight, not 5."""
+    rank per node or one node it is the layout) gathers stay on their group,
+    chained by the runtime in the order they are issued, each issued before
+    the previous one is waited. The `lanes` pass spreads the other
+    collectives (the reductions, on the group's twin) over `prefetch + 1`
+    groups over the same ranks in turn: each lane carries one collective at a
+    time, `prefetch + 1` reductions in flight, where one lane waited each
+    before the next. Lanes stop at `MAX_LANES` (4): prefetch 4 keeps 4
+    reductions in flight, not 5."""
     from zppc.passes import planning
     from zppc.runtime.topology import MAX_LANES, group_lanes, reduction_twin
 
@@ -203,27 +211,31 @@ def test_gloo_lanes_keep_the_prefetch_depth(fake_rank, prefetch):
     for graph, one_lane_graph in zip(on_lanes, one_lane, strict=True):
         gathers = sorted(c for c in graph if c[2].wait.meta.get(PARAM_GATHER))
         reductions = sorted(c for c in graph if not c[2].wait.meta.get(PARAM_GATHER))
-        world = group_lanes(gathers[0][2].group_name)[0]
-        assert [c[2].group_name for c in gathers] == [
-            group_lanes(world)[k % lanes] for k in range(len(gathers))
-        ]
+        world = gathers[0][2].group_name
+        assert {c[2].group_name for c in gathers} == {world} and group_lanes(world)[0] == world
+        # Each gather goes out before the previous one is waited, lanes or not.
+        assert all(
+            later[0] < earlier[1] for earlier, later in zip(gathers[:-1], gathers[1:], strict=True)
+        )
+        # `prefetch` ahead, and the tied embedding's gather (waited at the head) beside them.
+        assert 1 < most_alive([c[:2] for c in gathers]) <= prefetch + 2
+        one_lane_gathers = sorted(c for c in one_lane_graph if c[2].wait.meta.get(PARAM_GATHER))
+        assert {c[2].group_name for c in one_lane_gathers} == {world}
+        assert all(
+            later[0] < earlier[1]
+            for earlier, later in zip(one_lane_gathers[:-1], one_lane_gathers[1:], strict=True)
+        )
         if reductions:
             twin_lanes = group_lanes(reduction_twin(world))[:lanes]
             assert {c[2].group_name for c in reductions} == set(twin_lanes)
             assert most_alive([c[:2] for c in reductions]) == lanes
-        for lane in {c[2].group_name for c in graph}:
-            assert most_alive([c[:2] for c in graph if c[2].group_name == lane]) == 1
-        # Each gather goes out before the previous one is waited.
-        assert all(
-            later[0] < earlier[1] for earlier, later in zip(gathers[:-1], gathers[1:], strict=True)
-        )
-        # On one lane, fewer in flight: each gather waited before the next is issued.
-        one_lane_gathers = sorted(c for c in one_lane_graph if c[2].wait.meta.get(PARAM_GATHER))
-        assert (
-            most_alive([c[:2] for c in one_lane_gathers])
-            == 1
-            < most_alive([c[:2] for c in gathers])
-        )
+            for lane in twin_lanes:
+                assert most_alive([c[:2] for c in reductions if c[2].group_name == lane]) == 1
+            # On one lane, one reduction at a time.
+            one_lane_reductions = [
+                c for c in one_lane_graph if not c[2].wait.meta.get(PARAM_GATHER)
+            ]
+            assert most_alive([c[:2] for c in one_lane_reductions]) == 1
 
 
 @pytest.mark.parametrize("fake_rank", [1], indirect=True)
@@ -231,7 +243,8 @@ def test_gloo_lanes_keep_the_prefetch_depth(fake_rank, prefetch):
 def test_gloo_reductions_run_on_a_group_of_their_own(fake_rank, backend):
     """On gloo a group runs one collective in flight, so the backward's next
     gather waited for the reduction before it: reductions take the group's
-    twin there, and a gather goes out while a reduction is still in flight.
+    twin there, and a gather goes out while a reduction is still in flight
+    (the gathers, chained by the runtime, keep their own depth).
     NCCL keeps one group. (Gathers stay on the world group here: the
     gather_hops pass, off, would move them to a group of their own; the
     reductions run as all-to-alls: in two hops they take hop groups of their
@@ -259,10 +272,10 @@ def test_gloo_reductions_run_on_a_group_of_their_own(fake_rank, backend):
         return
     assert reduction_groups == {reduction_twin(gather_group)} != {gather_group}
     assert under_a_reduction, backward.code
-    # Still one in flight on each group.
-    for group in (gather_group, *reduction_groups):
-        on_it = sorted((pos[m.issue], pos[m.wait]) for m in matches if m.group_name == group)
-        assert most_alive(on_it) == 1
+    # Still one reduction in flight on its group; the gathers, chained by the
+    # runtime on theirs, `prefetch` ahead.
+    assert most_alive(sorted((pos[m.issue], pos[m.wait]) for m in reductions)) == 1
+    assert most_alive(sorted((pos[m.issue], pos[m.wait]) for m in gathers)) == 2
 
 
 @pytest.mark.parametrize("fake_rank", [1], indirect=True)
@@ -600,26 +613,34 @@ def _renumber(order, graph) -> None:
 @pytest.mark.timeout(600)
 def test_gloo_groups_have_one_collective_in_flight():
     """One collective in flight per gloo group in the final graphs, except
-    over the hop worlds (2 x 2 gathers and reduces in two hops), whose
-    runtime keeps each hop group to one hop: there the backward keeps
-    `prefetch + 1` reductions in flight, and the forward gathers `prefetch`
-    ahead as on NCCL (the tied embedding's gather, alive to the head, beside
-    them)."""
+    where the runtime chains them, so that gloo still carries one at a time:
+    over the hop worlds (2 x 2 gathers and reduces in two hops) the backward
+    keeps `prefetch + 1` reductions in flight, and the forward gathers
+    `prefetch` ahead as on NCCL (the tied embedding's gather, alive to the
+    head, beside them); over a plain group (hpZ's backward gathers inside
+    the node) the gathers keep that depth too, and any other collective on
+    their group waits for them. As the step runs, each gloo group zppc's
+    runtime issues on carries one collective at a time."""
     from spawn import run_ranks
     from workers import in_flight_per_group
 
-    for most, hop_worlds, beside_a_reduction in run_ranks(in_flight_per_group, 4, timeout=540):
+    results = run_ranks(in_flight_per_group, 4, timeout=540)
+    for most, unchained, hop_worlds, beside_a_reduction, on_gloo in results:
         two_hop = hop_worlds["gather"] | hop_worlds["reduce"]
-        gloo_groups = {key: n for key, n in most.items() if key[1] not in two_hop}
-        assert gloo_groups and max(gloo_groups.values()) == 1, most
+        plain = {key: n for key, n in unchained.items() if key[1] not in two_hop}
+        assert plain and max(plain.values()) == 1, unchained
         reductions_in_two_hops = [n for key, n in most.items() if key[1] in hop_worlds["reduce"]]
         assert reductions_in_two_hops == [2], most  # Config.prefetch 1
         # hpZ gathers the backward inside the node: only the forward's are two-hop.
         gathers_in_two_hops = {k: n for k, n in most.items() if k[1] in hop_worlds["gather"]}
         assert list(gathers_in_two_hops) == [("forward", *hop_worlds["gather"])], most
         assert list(gathers_in_two_hops.values()) == [3], most
+        # hpZ's gathers inside the node, chained: `prefetch` ahead.
+        backward_plain = [n for key, n in most.items() if key[0] == "backward" and key in plain]
+        assert max(backward_plain) == 2, most
         # Reductions on their groups' twins: the backward's gathers go out beside them.
         assert beside_a_reduction >= 2
+        assert on_gloo and set(on_gloo.values()) == {1}, on_gloo
 
 
 @pytest.mark.multiproc
@@ -677,8 +698,8 @@ def test_a_failed_hop_raises_where_its_collective_is_waited():
     [(10, (0,)), pytest.param(60, (1, 2, 3, 4, 5), marks=pytest.mark.slow)],
 )
 def test_two_hop_chains_under_many_collectives_in_flight(rounds, seeds):
-    """Forty two-hop gathers (of shards that require grad, as parameters do)
-    and reductions a round, issued back to back with compute between some,
+    """Forty two-hop gathers (of shards that require grad, as parameters do),
+    reductions and gathers over a plain gloo group a round, issued back to back with compute between some,
     a few waited at once and the rest in a shuffled order, so that most hops
     are issued from a completion callback behind an unfinished predecessor:
     every result is the one its own collective should give, no rank hangs,
@@ -693,5 +714,6 @@ def test_two_hop_chains_under_many_collectives_in_flight(rounds, seeds):
         results = run_ranks(two_hop_chain_stress, 4, rounds, 40, seed, timeout=540)
         for differ, most in results:
             assert differ == [], (seed, differ[:10])
-            # Cross- and intra-node groups, for gathers and for reductions.
-            assert sorted(most.values()) == [1, 1, 1, 1], most
+            # Cross- and intra-node groups, for gathers and for reductions,
+            # and the world group the plain gathers are chained on.
+            assert sorted(most.values()) == [1, 1, 1, 1, 1], most

@@ -502,10 +502,15 @@ def gpt_step_ledger(rank, world, config_kwargs):
 
 
 def in_flight_per_group(rank, world):
-    """The most collectives in flight at once on any one process group, in the
-    final graphs of a GPT step on gloo (zero3 + hpZ on 2 x 2, small buckets),
-    which of those groups are hop worlds (gathers', reductions'), and how
-    many gathers are issued while a reduction is in flight."""
+    """Collectives in flight in the final graphs of a GPT step on gloo (zero3 +
+    hpZ on 2 x 2, small buckets): the most at once on any one process group;
+    the most on one group where a gather beside a gather does not count
+    (gathers are chained by the runtime, one hop in flight at a time); which
+    of those groups are hop worlds (gathers', reductions'); how many gathers
+    are issued while a reduction is in flight; and, counted as the step ran,
+    the most of zppc's runtime collectives in flight at once on one gloo
+    group (`hops_in_flight`)."""
+    from zppc.runtime import compat
     from zppc.runtime.topology import two_hop_gather_over, two_hop_reduce_over
 
     torch._dynamo.reset()
@@ -515,26 +520,33 @@ def in_flight_per_group(rank, world):
     zppc.distribute(net, config)
     step = torch.compile(net, backend="zppc")
     x, y = net.batch(0)
-    step(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+    with hops_in_flight(
+        (compat, "all_gather_single"), (dist, "all_gather"), (dist, "all_to_all_single")
+    ) as on_gloo:
+        step(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
     from zppc.passes.zero import PARAM_GATHER, find_collectives
 
-    most, beside = {}, 0
+    most, unchained, beside = {}, {}, 0
     for record in zppc.inspect(step).compiles:
         for kind, gm in record.final.items():
             pos = {n: i for i, n in enumerate(gm.graph.nodes)}
             matches = find_collectives(gm.graph)
             for m in matches:
                 in_flight = [o for o in matches if pos[o.issue] <= pos[m.issue] < pos[o.wait]]
-                alive = sum(1 for o in in_flight if o.group_name == m.group_name)
+                on_group = [o for o in in_flight if o.group_name == m.group_name]
                 key = (kind, m.group_name)
-                most[key] = max(most.get(key, 0), alive)
+                most[key] = max(most.get(key, 0), len(on_group))
+                beside_gathers = sum(
+                    o.kind == m.kind == "all_gather" for o in on_group if o is not m
+                )
+                unchained[key] = max(unchained.get(key, 0), len(on_group) - beside_gathers)
                 if m.wait.meta.get(PARAM_GATHER):
                     beside += any(not o.wait.meta.get(PARAM_GATHER) for o in in_flight)
     hop_worlds = {
         "gather": {name for _, name in most if two_hop_gather_over(name) is not None},
         "reduce": {name for _, name in most if two_hop_reduce_over(name) is not None},
     }
-    return most, hop_worlds, beside
+    return most, unchained, hop_worlds, beside, dict(on_gloo)
 
 
 @contextlib.contextmanager
@@ -675,10 +687,11 @@ def two_hop_failure_on_wait(rank, world):
 
 def two_hop_chain_stress(rank, world, rounds, per_round, seed):
     """Many two-hop gathers and reductions over a 2 x 2 topology's hop worlds,
+    and gathers over its world group (a plain gloo group, chained in one hop),
     issued back to back in an order drawn from `seed` (the same on every
     rank), with compute between some of them, some waited at once and the
     rest of each round waited in a shuffled order: the chains of completion
-    callbacks (`zppc.runtime.collectives._chain_two_hops`) find their
+    callbacks (`zppc.runtime.collectives._chain_hops`) find their
     predecessors unfinished as often as this machine allows. Every value is a
     small integer tagged with its collective, so a hop matched with another
     collective's shows. Returns the (round, index, kind) of results that
@@ -705,11 +718,14 @@ def two_hop_chain_stress(rank, world, rounds, per_round, seed):
             issued = []
             for k in range(per_round):
                 n = int(torch.randint(1, 20_000, (1,), generator=draw))
-                kind = "gather" if chance(0.5) else "reduce"
-                if kind == "gather":
+                kind = ("gather", "plain gather", "reduce")[
+                    int(torch.randint(3, (1,), generator=draw))
+                ]
+                if kind != "reduce":
                     # A parameter's shard, as the graphs gather it: it requires grad.
                     shard = torch.full((n,), tag_of(round_, k, rank), requires_grad=True)
-                    out = torch.ops.zppc.all_gather_in_place(shard, gathers.world)
+                    over = gathers.world if kind == "gather" else groups.world
+                    out = torch.ops.zppc.all_gather_in_place(shard, over)
                     expected = torch.cat(
                         [torch.full((n,), tag_of(round_, k, r)) for r in range(world)]
                     )
