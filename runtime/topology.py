@@ -293,8 +293,9 @@ def ensure_lanes(
     same ranks (collective: every rank calls it with the same count). A gloo
     group carries one collective at a time (`zppc.passes.overlap.one_in_flight_on_gloo`);
     the `lanes` pass spreads a group's collectives over its lanes in turn, so
-    `Config.prefetch + 1` gathers or reductions are in flight at once, each
-    lane still carrying one."""
+    `Config.prefetch + 1` reductions are in flight at once, each lane still
+    carrying one. (Gathers stay on their group, chained by the runtime: the
+    original groups' lanes carry only what else runs on them.)"""
     if dist.get_backend() not in TWINNED_BACKENDS or topology.world_size == 1:
         return
     timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None

@@ -151,8 +151,11 @@ class Config:
     `prefetch + 1` gathered buckets are alive at once. 0 issues each gather
     when the previous bucket's weights are dead (no overlap of gathers with
     their predecessors' compute, least memory). On gloo, where a group
-    carries one collective at a time, `distribute` creates `prefetch + 1`
-    lanes (groups over the same ranks, at most 4) for the `lanes` pass."""
+    carries one collective at a time, the runtime chains a group's gathers
+    (each issued once the previous one is done, in the order the graph
+    issued them), and `distribute` creates `prefetch + 1` lanes (groups over
+    the same ranks, at most 4) for the `lanes` pass to spread the
+    reductions over."""
 
     cost_model: Any = None
     """A `zppc.cost.CostModel` (links and compute rates) the `overlap` pass
