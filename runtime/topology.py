@@ -231,7 +231,7 @@ def _create_hops(
     that names them and its own intra- and cross-node groups, on which nothing
     else runs, because each hop is issued once the previous collective's same
     hop is done, from a completion callback where it is not yet, in the order
-    the collectives were issued (`zppc.runtime.collectives._chain_two_hops`)."""
+    the collectives were issued (`zppc.runtime.collectives._chain_hops`)."""
     created = []
     for purpose in ("gather", "reduce"):
         hop_world, intra, cross = groups = _new_world_intra_cross(topology, timeout)

@@ -154,10 +154,10 @@ def test_forward_gathers_issued_in_the_order_they_are_used(fake_rank):
 @pytest.mark.parametrize("fake_rank", [1], indirect=True)
 def test_two_hop_gathers_keep_the_prefetch_depth_on_gloo(fake_rank):
     """On 2 x 2 gloo gathers run in two hops, whose runtime keeps each hop
-    group to one hop at a time (`zppc.runtime.collectives._chain_two_hops`):
+    group to one hop at a time (`zppc.runtime.collectives._chain_hops`):
     the plan issues them as NCCL's does, `prefetch` ahead, each before the
-    previous one's wait, where a plain gloo group waits each gather before
-    the next is issued."""
+    previous one's wait (as gathers over a plain gloo group, chained in one
+    hop, are)."""
     from zppc.passes import planning
     from zppc.runtime.topology import two_hop_gather_over
 

@@ -75,8 +75,9 @@ _CALL_WITHOUT_THE_GIL = (
 def cpu_kernels_release_the_gil() -> Iterator[None]:
     """Inductor 2.13 calls each compiled CPU kernel from Python holding the
     GIL for the kernel's whole run (`CppPythonBindingsCodeCache`'s binding;
-    an aten op releases it). zppc's two-hop collectives issue their second
-    hop and finish from Python callbacks on gloo's threads, so under
+    an aten op releases it). zppc's chained collectives (two-hop ones, and
+    gathers over a plain gloo group) issue their next hop and finish from
+    Python callbacks on gloo's threads, so under
     Inductor a hop waited for whatever fused kernel the step was in (a
     probe here: another Python thread stalled 73 ms per call of one fused
     elementwise kernel, at most the 5 ms switch interval between aten ops).
