@@ -270,6 +270,7 @@ def _chain_hops(
 
     def finished(index: int) -> Callable[[torch.futures.Future], None]:
         def on_done(work: torch.futures.Future) -> None:
+            _callback_started()
             try:
                 work.wait()
                 hop_done[index].set_result(None)
@@ -285,6 +286,7 @@ def _chain_hops(
 
     def issue_when(ready: list[torch.futures.Future], index: int) -> None:
         def issue_hop(ready: torch.futures.Future) -> None:
+            _callback_started()
             try:
                 for future in ready.value():
                     future.wait()  # raises an earlier hop's failure
@@ -343,6 +345,15 @@ def _wait_until_done(futures: list[torch.futures.Future], seconds: float) -> boo
 _UNFINISHED: set[torch.futures.Future] = set()
 # How long the interpreter's exit waits for them (see `_finish_before_exit`).
 EXIT_WAIT_S = 120.0
+# When the latest of the chains' callbacks started (time.monotonic()), and how
+# long after that the interpreter's exit leaves the thread that ran it.
+_LATEST_CALLBACK_AT = float("-inf")
+CALLBACK_SETTLE_S = 0.5
+
+
+def _callback_started() -> None:
+    global _LATEST_CALLBACK_AT
+    _LATEST_CALLBACK_AT = time.monotonic()
 
 
 @atexit.register
@@ -354,7 +365,14 @@ def _finish_before_exit() -> None:
     unwaited exit cleanly): a script that ends, or is interrupted, with a
     chained collective issued and not waited (an exception or Ctrl-C between a
     graph's issue and its wait). Bounded, so a peer that is gone does not hold
-    the exit: past `EXIT_WAIT_S` it says what it left and returns."""
+    the exit: past `EXIT_WAIT_S` it says what it left and returns.
+
+    Then it leaves the last callback's thread `CALLBACK_SETTLE_S` from that
+    callback's start: after a Python callback returns, c10d's future still
+    takes the GIL on that thread to drop the callback and its result
+    (torch's `PythonFunctionGuard`), and a thread that takes the GIL once
+    finalization has begun is ended, which aborts the process the same way
+    (a 2 x 2 exit test aborted so once, its collectives all finished)."""
     pending = list(_UNFINISHED)
     if pending and not _wait_until_done(pending, EXIT_WAIT_S):
         left = sum(not f.done() for f in pending)
@@ -363,6 +381,10 @@ def _finish_before_exit() -> None:
             f"{EXIT_WAIT_S:.0f} s at exit; the process may abort",
             file=sys.stderr,
         )
+        return
+    settle = _LATEST_CALLBACK_AT + CALLBACK_SETTLE_S - time.monotonic()
+    if settle > 0:
+        time.sleep(settle)
 
 
 # The predecessor of the first collective of a chain.
