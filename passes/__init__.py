@@ -204,7 +204,7 @@ def build_passes(config) -> list[GraphPass]:
         passes.append(GraphPass("reduce_scatter", reduce_scatter_pass, ("backward",)))
     if config.buffer_sync is not None:
         passes.append(GraphPass("sync_buffers", sync_buffers_pass, ("forward",)))
-    passes.append(GraphPass("reduction_groups", reduction_groups_pass, ("backward",)))
+    passes.append(GraphPass("reduction_groups", reduction_groups_pass, ("forward", "backward")))
     passes.append(GraphPass("gather_hops", gather_hops_pass, ("forward", "backward")))
     passes.append(GraphPass("lanes", lanes_pass, ("forward", "backward")))
     passes.append(GraphPass("overlap", overlap_pass, ("forward", "backward")))

@@ -1,4 +1,4 @@
-"""The `lanes` pass: on gloo, a group's collectives take turns on its lanes.
+"""The `lanes` pass: on gloo, a twin group's collectives take turns on its lanes.
 
 Requires: every pass that moves collectives to another group has run
 (`reduction_groups`, `gather_hops`): collectives in the `CollectiveMatch`
@@ -6,18 +6,20 @@ form, the group's name the last argument of the ledger hook and of the issue.
 Must run before `overlap`, whose one-in-flight rule is per group.
 
 Rewrite: on a gloo group kept to one collective in flight
-(`overlap.one_at_a_time`: not a hop world, whose runtime chains its own hops),
-the collectives of the graph but its gathers, in program order, move in turn
-to the group's first `Config.prefetch + 1` lanes (at most `MAX_LANES`;
-`zppc.runtime.topology.group_lanes`: the group itself and groups over the
-same ranks made by `distribute`). On one group the next reduction waited for
-the previous one before it was issued, on the main thread: one reduction in
-flight, whatever `prefetch` allowed. On lanes the overlap pass's order
-stands: `prefetch + 1` reductions in flight, each lane still carrying one
-collective at a time. Gathers stay on their group: the runtime chains them
-(`overlap.queued_in_issue_order`), `prefetch` ahead, crossing in the order
-they are needed, where on lanes they shared the link and the first one
-needed finished as late as the others. This matters where zppc's groups are
+(`overlap.one_at_a_time`: not a hop world, whose runtime chains its own hops)
+that has lanes (`zppc.runtime.topology.group_lanes`: the reduction twins, made
+by `distribute`: the twin itself and groups over the same ranks), the
+collectives of the graph but its gathers, in program order, move in turn to
+the group's first `Config.prefetch + 1` lanes (at most `MAX_LANES`). On one
+group the next reduction waited for the previous one before it was issued,
+on the main thread: one reduction in flight, whatever `prefetch` allowed. On
+lanes the overlap pass's order stands: `prefetch + 1` reductions in flight,
+each lane still carrying one collective at a time. Gathers stay on their
+group: the runtime chains them (`overlap.queued_in_issue_order`), `prefetch`
+ahead, crossing in the order they are needed, where on lanes they shared the
+link and the first one needed finished as late as the others; and since
+`reduction_groups` leaves the original groups nothing but parameter
+gathers, those groups have no lanes. This matters where zppc's groups are
 plain gloo groups: one rank per node (a CPU job's usual layout) or one node;
 over a hop world (several nodes of several ranks) the two-hop runtime
 already keeps several collectives in flight.

@@ -1,20 +1,26 @@
 """The `reduction_groups` pass: on gloo, gradient reductions take a group of their own.
 
 Requires: every pass that creates or rewrites collectives has run (zero, qwz,
-bucket, qgz, reduce_scatter): collectives in the `CollectiveMatch` form, the
-group's name the last argument of the ledger hook and of the issue.
-Must run before `overlap`, whose one-in-flight rule is per group.
+bucket, qgz, reduce_scatter, sync_buffers): collectives in the
+`CollectiveMatch` form, the group's name the last argument of the ledger hook
+and of the issue. Must run before `lanes` (which spreads the twin's
+collectives over the twin's lanes) and `overlap`, whose one-in-flight rule is
+per group.
 
-Rewrite: every collective of the backward other than a parameter gather (the
-gradient reduce-scatters and all-reduces, qgZ's hops, the all-to-alls of a
-direct reduce-scatter) moves to its group's twin, a second group over the same
-ranks (`zppc.runtime.topology.reduction_twin`). Only on gloo: there a group
-runs one collective in flight (`overlap.one_in_flight_on_gloo`), so a
+Rewrite: every collective other than a parameter gather moves to its group's
+twin, a second group over the same ranks
+(`zppc.runtime.topology.reduction_twin`): in the backward the gradient
+reduce-scatters and all-reduces, qgZ's hops and the all-to-alls of a direct
+reduce-scatter; in the forward the buffer broadcasts. Only on gloo: there a
+group runs one collective in flight (`overlap.one_in_flight_on_gloo`), so a
 backward's next gather, issued while a reduction was in flight on the same
 group, first waited for that reduction on the main thread, and the backward's
 compute stopped with it (0.4 s per bucket at 50 Mbit/s, `benchmarks/RESULTS.md`).
 On its own group a gather is issued at once and crosses the link beside the
-reduction. NCCL runs several in flight per group; its graphs are unchanged.
+reduction. So the original groups carry parameter gathers alone, which the
+runtime chains in the order they are issued, and only the twins need lanes
+(`ensure_lanes`). NCCL runs several in flight per group; its graphs are
+unchanged.
 
 Every rank rewrites alike (the groups' backend and the graph only). Numerics:
 unchanged, the same collectives over the same ranks.

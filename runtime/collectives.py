@@ -284,11 +284,11 @@ def _chain_hops(
 
         return on_done
 
-    def issue_when(ready: list[torch.futures.Future], index: int) -> None:
-        def issue_hop(ready: torch.futures.Future) -> None:
+    def issue_when(predecessors: list[torch.futures.Future], index: int) -> None:
+        def issue_hop(collected: torch.futures.Future) -> None:
             _callback_started()
             try:
-                for future in ready.value():
+                for future in collected.value():
                     future.wait()  # raises an earlier hop's failure
                 with torch.no_grad():
                     work = hops[index]()
@@ -297,7 +297,7 @@ def _chain_hops(
                 return
             work.get_future().then(finished(index))
 
-        torch.futures.collect_all(ready).then(issue_hop)
+        torch.futures.collect_all(predecessors).then(issue_hop)
 
     for index in range(len(hops)):
         this_collectives_previous_hop = [hop_done[index - 1]] if index else []
@@ -306,8 +306,8 @@ def _chain_hops(
 
 
 class _ChainedWork(dist.Work):
-    """A chained collective's work (`_chain_hops`): done once its future is, and its `wait`
-    raises the error a hop failed with (see `_chain_hops`)."""
+    """A chained collective's work (`_chain_hops`): done once its future is,
+    and its `wait` raises the error a hop failed with."""
 
     def __init__(self, done: torch.futures.Future) -> None:
         super().__init__()

@@ -287,25 +287,27 @@ _LANES: dict[tuple[int, str], list[str]] = {}
 def ensure_lanes(
     topology: Topology, groups: Groups, count: int, timeout_s: float | None = None
 ) -> None:
-    """At least `count` lanes for each of the world, intra- and cross-node
-    groups and their reduction twins, on gloo (and the fake process group,
-    which plans for it): the group itself and `count - 1` more groups over the
-    same ranks (collective: every rank calls it with the same count). A gloo
-    group carries one collective at a time (`zppc.passes.overlap.one_in_flight_on_gloo`);
-    the `lanes` pass spreads a group's collectives over its lanes in turn, so
+    """At least `count` lanes for the reduction twins of the world, intra- and
+    cross-node groups, on gloo (and the fake process group, which plans for
+    it): the twin itself and `count - 1` more groups over the same ranks
+    (collective: every rank calls it with the same count). A gloo group
+    carries one collective at a time (`zppc.passes.overlap.one_in_flight_on_gloo`);
+    the `lanes` pass spreads a twin's collectives over its lanes in turn, so
     `Config.prefetch + 1` reductions are in flight at once, each lane still
-    carrying one. (Gathers stay on their group, chained by the runtime: the
-    original groups' lanes carry only what else runs on them.)"""
+    carrying one. The original groups get none: they carry only parameter
+    gathers, which the runtime chains in issue order on their own group
+    (`zppc.passes.reduction_groups` moves everything else to the twin)."""
     if dist.get_backend() not in TWINNED_BACKENDS or topology.world_size == 1:
         return
     timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
-    originals = (groups.world, groups.intra_node, groups.cross_node)
-    for family in (originals, tuple(reduction_twin(name) for name in originals)):
-        while len(group_lanes(family[0])) < count:
-            added = _new_world_intra_cross(topology, timeout)
-            _SIDE_GROUPS.extend(added)
-            for name, lane in zip(family, added, strict=True):
-                _LANES.setdefault((world_epoch(), name), []).append(lane.group_name)
+    twins = tuple(
+        reduction_twin(name) for name in (groups.world, groups.intra_node, groups.cross_node)
+    )
+    while len(group_lanes(twins[0])) < count:
+        added = _new_world_intra_cross(topology, timeout)
+        _SIDE_GROUPS.extend(added)
+        for name, lane in zip(twins, added, strict=True):
+            _LANES.setdefault((world_epoch(), name), []).append(lane.group_name)
 
 
 # Lanes per group at most: one link carries them all, and every lane is a set of

@@ -240,6 +240,46 @@ def test_plain_gloo_groups_keep_the_prefetch_depth(fake_rank, prefetch):
 
 @pytest.mark.parametrize("fake_rank", [1], indirect=True)
 @pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_original_gloo_groups_carry_parameter_gathers_alone(fake_rank, backend):
+    """On gloo the forward's buffer broadcasts take the world group's twin, as
+    the backward's reductions do, so the original groups carry parameter
+    gathers alone (chained by the runtime) and need no lanes: `distribute`
+    gives lanes to the twins only. NCCL keeps the broadcast on the world
+    group."""
+    from models import BatchNormNet
+    from zppc.passes import planning
+    from zppc.runtime.topology import group_lanes, lane_count, reduction_twin
+
+    torch.manual_seed(0)
+    prefetch = 2
+    with planning("torch", backend):
+        config = zppc.Config(node_size=NODE, lowering="eager", prefetch=prefetch)
+        model = zppc.distribute(BatchNormNet(), config)
+        step = torch.compile(model, backend="zppc")
+        x, y = BatchNormNet.batch(0)
+        step(x.chunk(WORLD)[fake_rank], y.chunk(WORLD)[fake_rank]).backward()
+        (record,) = zppc.inspect(step).compiles
+    groups = model._zppc_state.groups
+    forward = record.final["forward"]
+    matches = find_collectives(forward.graph)
+    broadcasts = [m for m in matches if m.kind == "broadcast"]
+    gathers = [m for m in matches if m.wait.meta.get(PARAM_GATHER)]
+    # One broadcast per dtype: the float statistics and the int64 counters.
+    assert len(broadcasts) == 2 and gathers
+    assert len(broadcasts) + len(gathers) == len(matches)
+    twin = reduction_twin(groups.world)
+    expected = groups.world if backend == "nccl" else twin
+    assert {m.group_name for m in broadcasts} <= set(group_lanes(expected))
+    if backend == "gloo":
+        # In turn on the twin's lanes, one each.
+        assert {m.group_name for m in broadcasts} == set(group_lanes(twin)[: len(broadcasts)])
+    for original in (groups.world, groups.intra_node, groups.cross_node):
+        assert group_lanes(original) == (original,)
+        assert len(group_lanes(reduction_twin(original))) == lane_count(prefetch)
+
+
+@pytest.mark.parametrize("fake_rank", [1], indirect=True)
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
 def test_gloo_reductions_run_on_a_group_of_their_own(fake_rank, backend):
     """On gloo a group runs one collective in flight, so the backward's next
     gather waited for the reduction before it: reductions take the group's

@@ -154,8 +154,8 @@ class Config:
     carries one collective at a time, the runtime chains a group's gathers
     (each issued once the previous one is done, in the order the graph
     issued them), and `distribute` creates `prefetch + 1` lanes (groups over
-    the same ranks, at most 4) for the `lanes` pass to spread the
-    reductions over."""
+    the same ranks, at most 4) for each reduction twin, for the `lanes` pass
+    to spread the reductions over."""
 
     cost_model: Any = None
     """A `zppc.cost.CostModel` (links and compute rates) the `overlap` pass
