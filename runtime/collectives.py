@@ -395,6 +395,20 @@ _DONE.set_result(None)
 _LATEST_HOPS: dict[tuple[int, str], tuple[torch.futures.Future, ...]] = {}
 
 
+def after_chained_collectives(group_name: str) -> None:
+    """Wait until the collectives the runtime chained on this group (a plain
+    gloo group's gathers, `_chain_hops`) are done, before a synchronous one
+    is issued there: beside them it would be a second collective in flight on
+    one gloo group (`zppc.passes.overlap.one_in_flight_on_gloo`), matched
+    against the other ranks' in whatever order each rank's threads got there.
+    Nothing is in flight there between zppc's graphs (each waits its gathers
+    before it returns); this keeps zppc's eager collectives (state dicts,
+    clipping, an eager `unshard`) from ever doing so regardless."""
+    for future in _LATEST_HOPS.get((world_epoch(), group_name), ()):
+        if not future.done():
+            future.wait()  # raises the chained collective's failure
+
+
 @all_gather_in_place.register_fake
 def _(shard: Tensor, group_name: str) -> Tensor:
     return shard.new_empty(shard.numel() * group_size(group_name))
@@ -405,6 +419,7 @@ def all_gather_flat(shard: Tensor, group_name: str) -> Tensor:
     group = _GROUP_FROM_NAME(group_name)
     out = shard.new_empty(shard.numel() * group.size())
     with waiting_on(f"an eager all-gather over ranks {group_ranks(group_name)}"):
+        after_chained_collectives(group_name)
         compat.all_gather_single(out, shard.contiguous(), group=group)
     record("all_gather", group_name, bytes_per_peer("all_gather", shard, group.size()))
     return out
@@ -415,6 +430,7 @@ def reduce_scatter_flat(flat: Tensor, group_name: str) -> Tensor:
     group = _GROUP_FROM_NAME(group_name)
     out = flat.new_empty(flat.numel() // group.size())
     with waiting_on(f"an eager reduce-scatter over ranks {group_ranks(group_name)}"):
+        after_chained_collectives(group_name)
         compat.reduce_scatter_single(out, flat.contiguous(), op=dist.ReduceOp.SUM, group=group)
     record("reduce_scatter", group_name, bytes_per_peer("reduce_scatter", flat, group.size()))
     return out
@@ -430,6 +446,7 @@ def broadcast_from_first(tensors: list[Tensor], group_name: str) -> None:
     for same in by_dtype.values():
         flat = torch.cat([t.detach().reshape(-1) for t in same])
         with waiting_on(f"the buffer broadcast over ranks {group_ranks(group_name)}"):
+            after_chained_collectives(group_name)
             dist.broadcast(flat, group_src=0, group=group)
         record("broadcast", group_name, bytes_per_peer("broadcast", flat, group.size()))
         # Through `.data`: a version bump would fail the backward of an op that
@@ -443,6 +460,7 @@ def all_gather_ints(out: Tensor, mine: Tensor, group_name: str) -> None:
     decisions all ranks must take together)."""
     group = _GROUP_FROM_NAME(group_name)
     with waiting_on(f"the gradient check over ranks {group_ranks(group_name)}"):
+        after_chained_collectives(group_name)
         compat.all_gather_single(out, mine, group=group)
     record("all_gather", group_name, bytes_per_peer("all_gather", mine, group.size()))
 
@@ -451,6 +469,7 @@ def all_reduce_sum(t: Tensor, group_name: str) -> Tensor:
     group = _GROUP_FROM_NAME(group_name)
     out = t.contiguous().clone()
     with waiting_on(f"an eager all-reduce over ranks {group_ranks(group_name)}"):
+        after_chained_collectives(group_name)
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     record("all_reduce", group_name, bytes_per_peer("all_reduce", t, group.size()))
     return out

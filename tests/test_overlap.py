@@ -732,6 +732,22 @@ def test_a_failed_hop_raises_where_its_collective_is_waited():
 
 
 @pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_eager_collective_waits_for_the_gathers_chained_on_its_group():
+    """zppc's synchronous eager collectives (state dicts, clipping, an eager
+    `unshard`) issued while gathers are still chained on the same plain gloo
+    group go out only once those are done: one collective in flight on the
+    group, every result right (beside them, the ranks' threads could match
+    them in different orders)."""
+    from spawn import run_ranks
+    from workers import eager_collective_after_chained_gathers
+
+    for right, most in run_ranks(eager_collective_after_chained_gathers, 2, timeout=240):
+        assert right
+        assert most == 1
+
+
+@pytest.mark.multiproc
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
     "rounds, seeds",

@@ -552,21 +552,23 @@ def in_flight_per_group(rank, world):
 @contextlib.contextmanager
 def hops_in_flight(*targets: tuple[object, str]):
     """Count, while open, the most collectives in flight at once per process
-    group that the `(module, name)` targets (collectives taking `group=` and
-    `async_op=True`) issued, from any thread: at each issue, the earlier ones
-    on that group whose futures are not yet done, plus itself. (Done-ness,
-    not a completion callback: a callback added earlier may run after one
-    added once the future completed.) Yields that dict."""
+    group that the `(module, name)` targets (collectives taking `group=`)
+    issued, from any thread: at each issue, the earlier asynchronous ones on
+    that group whose futures are not yet done, plus itself. (Done-ness, not a
+    completion callback: a callback added earlier may run after one added
+    once the future completed.) Yields that dict."""
     most, issued, lock = {}, {}, threading.Lock()
     originals = [(module, name, getattr(module, name)) for module, name in targets]
 
     def counting(original):
-        def counted(*args, group, async_op, **kwargs):
+        def counted(*args, group, async_op=False, **kwargs):
             key = group.group_name
             with lock:
                 earlier = issued.setdefault(key, [])
                 most[key] = max(most.get(key, 0), 1 + sum(not f.done() for f in earlier))
-                work = original(*args, group=group, async_op=async_op, **kwargs)
+                if not async_op:
+                    return original(*args, group=group, async_op=False, **kwargs)
+                work = original(*args, group=group, async_op=True, **kwargs)
                 earlier.append(work.get_future())
             return work
 
@@ -579,6 +581,33 @@ def hops_in_flight(*targets: tuple[object, str]):
     finally:
         for module, name, original in originals:
             setattr(module, name, original)
+
+
+def eager_collective_after_chained_gathers(rank, world):
+    """Three gathers chained on the world group of one rank per node (a plain
+    gloo group), then at once a synchronous eager all-gather over that group
+    (`all_gather_flat`, as state dicts and an eager `unshard` issue), then the
+    three waited. Returns whether every result is right and the most
+    collectives in flight at once on the group, counted as each is issued."""
+    import torch.distributed._functional_collectives as funcol
+    from zppc.runtime import compat
+    from zppc.runtime.collectives import all_gather_flat
+    from zppc.runtime.topology import Topology, setup_groups
+
+    groups = setup_groups(Topology(world, 1), timeout_s=120)
+    torch.manual_seed(rank)
+    shards = [torch.randn(n) for n in (400_001, 300_007, 200_003)]
+    mine = torch.full((5,), float(rank))
+    with hops_in_flight((compat, "all_gather_single")) as most:
+        issued = [torch.ops.zppc.all_gather_in_place(s, groups.world) for s in shards]
+        eager = all_gather_flat(mine, groups.world)
+        gathered = [funcol.wait_tensor(t) for t in issued]
+    right = torch.equal(eager, torch.arange(world).float().repeat_interleave(5))
+    for shard, got in zip(shards, gathered, strict=True):
+        expected = shard.new_empty(shard.numel() * world)
+        dist.all_gather_into_tensor(expected, shard, group=dist.group.WORLD)
+        right = right and torch.equal(got, expected)
+    return right, most[groups.world]
 
 
 def two_hop_gathers(rank, world):

@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
 from zppc.distribute import DistributedState, live_states
+from zppc.runtime.collectives import after_chained_collectives
 from zppc.runtime.failures import waiting_on
 from zppc.runtime.osp import InFlight
 from zppc.runtime.topology import group_ranks
@@ -110,6 +111,7 @@ def _over_ranks(own: Tensor, norm_type: float, state: DistributedState) -> Tenso
     value = own.float().clone() if norm_type == float("inf") else own.float() ** norm_type
     op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
     with waiting_on(f"zppc.clip_grad_norm_'s all-reduce over ranks {group_ranks(group_name)}"):
+        after_chained_collectives(group_name)
         dist.all_reduce(value, op=op, group=group)
     if norm_type == float("inf"):
         return value
