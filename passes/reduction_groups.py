@@ -1,4 +1,4 @@
-"""The `reduction_groups` pass: on gloo, gradient reductions take a group of their own.
+"""The `reduction_groups` pass: on gloo, all but parameter gathers take a second group.
 
 Requires: every pass that creates or rewrites collectives has run (zero, qwz,
 bucket, qgz, reduce_scatter, sync_buffers): collectives in the
