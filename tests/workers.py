@@ -566,11 +566,13 @@ def hops_in_flight(*targets: tuple[object, str]):
             with lock:
                 earlier = issued.setdefault(key, [])
                 most[key] = max(most.get(key, 0), 1 + sum(not f.done() for f in earlier))
-                if not async_op:
-                    return original(*args, group=group, async_op=False, **kwargs)
-                work = original(*args, group=group, async_op=True, **kwargs)
-                earlier.append(work.get_future())
-            return work
+                if async_op:
+                    work = original(*args, group=group, async_op=True, **kwargs)
+                    earlier.append(work.get_future())
+                    return work
+            # A synchronous one blocks until it is done: outside the lock, so
+            # callbacks issuing on other groups meanwhile are not held up.
+            return original(*args, group=group, async_op=False, **kwargs)
 
         return counted
 
