@@ -11,9 +11,10 @@ would keep gathered weights alive and pin the scheduler).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 
 import torch
@@ -395,18 +396,23 @@ _DONE.set_result(None)
 _LATEST_HOPS: dict[tuple[int, str], tuple[torch.futures.Future, ...]] = {}
 
 
-def after_chained_collectives(group_name: str) -> None:
-    """Wait until the collectives the runtime chained on this group (a plain
-    gloo group's gathers, `_chain_hops`) are done, before a synchronous one
-    is issued there: beside them it would be a second collective in flight on
-    one gloo group (`zppc.passes.overlap.one_in_flight_on_gloo`), matched
-    against the other ranks' in whatever order each rank's threads got there.
-    Nothing is in flight there between zppc's graphs (each waits its gathers
-    before it returns); this keeps zppc's eager collectives (state dicts,
-    clipping, an eager `unshard`) from ever doing so regardless."""
-    for future in _LATEST_HOPS.get((world_epoch(), group_name), ()):
-        if not future.done():
-            future.wait()  # raises the chained collective's failure
+@contextlib.contextmanager
+def eager_collective(what: str, group_name: str) -> Iterator[None]:
+    """The block a synchronous eager collective over `group_name` is issued
+    in: a failure is named as `what` over the group's ranks (`waiting_on`),
+    and the block starts once the collectives the runtime chained on that
+    group (a plain gloo group's gathers, `_chain_hops`) are done. Beside
+    them it would be a second collective in flight on one gloo group
+    (`zppc.passes.overlap.one_in_flight_on_gloo`), matched against the other
+    ranks' in whatever order each rank's threads got there. Nothing is in
+    flight there between zppc's graphs (each waits its gathers before it
+    returns); this keeps zppc's eager collectives (state dicts, clipping, an
+    eager `unshard`) from ever doing so regardless."""
+    with waiting_on(f"{what} over ranks {group_ranks(group_name)}"):
+        for future in _LATEST_HOPS.get((world_epoch(), group_name), ()):
+            if not future.done():
+                future.wait()  # raises the chained collective's failure
+        yield
 
 
 @all_gather_in_place.register_fake
@@ -418,8 +424,7 @@ def all_gather_flat(shard: Tensor, group_name: str) -> Tensor:
     """Concatenation of every rank's 1-D shard, in group-rank order."""
     group = _GROUP_FROM_NAME(group_name)
     out = shard.new_empty(shard.numel() * group.size())
-    with waiting_on(f"an eager all-gather over ranks {group_ranks(group_name)}"):
-        after_chained_collectives(group_name)
+    with eager_collective("an eager all-gather", group_name):
         compat.all_gather_single(out, shard.contiguous(), group=group)
     record("all_gather", group_name, bytes_per_peer("all_gather", shard, group.size()))
     return out
@@ -429,8 +434,7 @@ def reduce_scatter_flat(flat: Tensor, group_name: str) -> Tensor:
     """Sum over ranks of `flat`, scattered: this rank gets its 1/world slice."""
     group = _GROUP_FROM_NAME(group_name)
     out = flat.new_empty(flat.numel() // group.size())
-    with waiting_on(f"an eager reduce-scatter over ranks {group_ranks(group_name)}"):
-        after_chained_collectives(group_name)
+    with eager_collective("an eager reduce-scatter", group_name):
         compat.reduce_scatter_single(out, flat.contiguous(), op=dist.ReduceOp.SUM, group=group)
     record("reduce_scatter", group_name, bytes_per_peer("reduce_scatter", flat, group.size()))
     return out
@@ -445,8 +449,7 @@ def broadcast_from_first(tensors: list[Tensor], group_name: str) -> None:
         by_dtype.setdefault(t.dtype, []).append(t)
     for same in by_dtype.values():
         flat = torch.cat([t.detach().reshape(-1) for t in same])
-        with waiting_on(f"the buffer broadcast over ranks {group_ranks(group_name)}"):
-            after_chained_collectives(group_name)
+        with eager_collective("the buffer broadcast", group_name):
             dist.broadcast(flat, group_src=0, group=group)
         record("broadcast", group_name, bytes_per_peer("broadcast", flat, group.size()))
         # Through `.data`: a version bump would fail the backward of an op that
@@ -459,8 +462,7 @@ def all_gather_ints(out: Tensor, mine: Tensor, group_name: str) -> None:
     """Every rank's small integer tensor `mine`, concatenated into `out` (control
     decisions all ranks must take together)."""
     group = _GROUP_FROM_NAME(group_name)
-    with waiting_on(f"the gradient check over ranks {group_ranks(group_name)}"):
-        after_chained_collectives(group_name)
+    with eager_collective("the gradient check", group_name):
         compat.all_gather_single(out, mine, group=group)
     record("all_gather", group_name, bytes_per_peer("all_gather", mine, group.size()))
 
@@ -468,8 +470,7 @@ def all_gather_ints(out: Tensor, mine: Tensor, group_name: str) -> None:
 def all_reduce_sum(t: Tensor, group_name: str) -> Tensor:
     group = _GROUP_FROM_NAME(group_name)
     out = t.contiguous().clone()
-    with waiting_on(f"an eager all-reduce over ranks {group_ranks(group_name)}"):
-        after_chained_collectives(group_name)
+    with eager_collective("an eager all-reduce", group_name):
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     record("all_reduce", group_name, bytes_per_peer("all_reduce", t, group.size()))
     return out

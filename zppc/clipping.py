@@ -29,10 +29,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
 from zppc.distribute import DistributedState, live_states
-from zppc.runtime.collectives import after_chained_collectives
-from zppc.runtime.failures import waiting_on
+from zppc.runtime.collectives import eager_collective
 from zppc.runtime.osp import InFlight
-from zppc.runtime.topology import group_ranks
 
 _GROUP_FROM_NAME = dist.distributed_c10d._resolve_process_group
 
@@ -110,8 +108,7 @@ def _over_ranks(own: Tensor, norm_type: float, state: DistributedState) -> Tenso
     group = _GROUP_FROM_NAME(group_name)
     value = own.float().clone() if norm_type == float("inf") else own.float() ** norm_type
     op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
-    with waiting_on(f"zppc.clip_grad_norm_'s all-reduce over ranks {group_ranks(group_name)}"):
-        after_chained_collectives(group_name)
+    with eager_collective("zppc.clip_grad_norm_'s all-reduce", group_name):
         dist.all_reduce(value, op=op, group=group)
     if norm_type == float("inf"):
         return value
