@@ -27,7 +27,12 @@ bounds, each is step time until the schedule moves a collective into it).
 With `--every-rank` every rank writes its trace (`_rank<r>` added to the
 name) and the summary adds each step phase's start and end on every rank,
 read on the traces' common clock: with four ranks sharing two cores they
-drift apart, and a wait on one rank then holds its peers' lateness.
+drift apart, and a wait on one rank then holds its peers' lateness. It also
+adds, per step, how long 0, 1, ... ranks were waiting at once and the
+core-seconds that left idle (`idle_cores`): on the emulated cluster, where
+every rank shares the host's cores, what the step lost to waiting, split
+into every rank waiting (a transfer nothing hides) and some waiting while
+others compute (drift).
 
 With `--backend nccl` (one GPU per rank) it also records the GPU: NCCL runs
 each collective on a stream of its own, so the evidence is on the device's
@@ -304,8 +309,30 @@ def main() -> None:
                 for r in range(1, dist.get_world_size())
             ]
             result["ranks"] = phase_spread(traces)
+            if not on_gpu:
+                result["idle_cores"] = idle_cores(traces, len(os.sched_getaffinity(0)))
         report(args, result, f"{raw}.gz")
     dist.destroy_process_group()
+
+
+def _on_common_clock(trace: dict) -> tuple[dict, list]:
+    """A rank's step phases (name -> (start, end)) and its main thread's waits
+    (a union of intervals), in microseconds on the clock every rank's trace
+    shares (each trace's timestamps count from its own base)."""
+    base = trace.get("baseTimeNanoseconds", 0) / 1e3
+    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    main = next(e["tid"] for e in spans if e["name"].startswith("step "))
+    marks = {
+        e["name"]: (base + e["ts"], base + e["ts"] + e["dur"])
+        for e in spans
+        if e["name"].startswith("step ")
+    }
+    waits = [
+        (base + e["ts"], base + e["ts"] + e["dur"])
+        for e in spans
+        if e["tid"] == main and "wait" in e["name"]
+    ]
+    return marks, union(waits)
 
 
 def phase_spread(traces: list[dict]) -> dict:
@@ -313,16 +340,7 @@ def phase_spread(traces: list[dict]) -> dict:
     earliest rank started step 1, on the traces' common clock), and how far
     apart the ranks ended it. Where ranks share cores, they drift apart, and
     a collective's wait on one rank holds the time its peers took to reach it."""
-    marks = []
-    for trace in traces:
-        base = trace.get("baseTimeNanoseconds", 0) / 1e3
-        marks.append(
-            {
-                e["name"]: (base + e["ts"], base + e["ts"] + e["dur"])
-                for e in trace["traceEvents"]
-                if e.get("ph") == "X" and e["name"].startswith("step ")
-            }
-        )
+    marks = [_on_common_clock(trace)[0] for trace in traces]
     zero = min(m["step 1 forward"][0] for m in marks)
     phases = {}
     for name in sorted(marks[0], key=lambda n: marks[0][n][0]):
@@ -330,6 +348,64 @@ def phase_spread(traces: list[dict]) -> dict:
         ends = [(m[name][1] - zero) / 1e6 for m in marks]
         phases[name] = {"starts": starts, "ends": ends, "end_spread_seconds": max(ends) - min(ends)}
     return phases
+
+
+def idle_cores(traces: list[dict], cores: int, shown_s: float = 0.05) -> dict:
+    """Per step, read across every rank's trace on the common clock: how long
+    0, 1, ... of the ranks were waiting at once (in a collective's wait on
+    their main thread, or not yet in the step or done with it), and the
+    core-seconds the host's `cores` left idle for it (each rank computes on
+    one thread: with r ranks computing, max(0, cores - r) cores idle). Where
+    every rank shares one host (the emulated cluster), that is what the step
+    lost to waiting: a lone rank computing while its peers wait for it (the
+    ranks drifting apart) leaves a core idle, as all of them waiting for a
+    transfer leaves them all. Also the stretches of at least `shown_s` in
+    which every rank waited, with the phase rank 0 was in."""
+    marks, waits = zip(*map(_on_common_clock, traces), strict=True)
+    ranks = len(traces)
+    steps = sorted({name.split()[1] for name in marks[0]}, key=int)
+    result = {}
+    for step in steps:
+        lo = min(m[f"step {step} forward"][0] for m in marks)
+        hi = max(m[f"step {step} optimizer"][1] for m in marks)
+        edges = []
+        for m, rank_waits in zip(marks, waits, strict=True):
+            start, end = m[f"step {step} forward"][0], m[f"step {step} optimizer"][1]
+            for a, b in union([*clip(rank_waits, lo, hi), (lo, start), (end, hi)]):
+                if b > a:
+                    edges += [(a, 1), (b, -1)]
+        edges.sort()
+        waiting_for = [0.0] * (ranks + 1)
+        all_waiting: list[tuple[float, float]] = []
+        count, at = 0, lo
+        for t, step_by in edges:
+            waiting_for[count] += t - at
+            if count == ranks and t > at:
+                all_waiting.append((at, t))
+            count, at = count + step_by, t
+        waiting_for[count] += hi - at
+        idle = sum(
+            seconds * max(0, cores - (ranks - waiting))
+            for waiting, seconds in enumerate(waiting_for)
+        )
+        stretches = [
+            {
+                "after_start_seconds": (a - lo) / 1e6,
+                "seconds": (b - a) / 1e6,
+                "rank0_phase": next(
+                    (name for name, (x, y) in marks[0].items() if x <= a < y), None
+                ),
+            }
+            for a, b in union(all_waiting)
+            if b - a >= shown_s * 1e6
+        ]
+        result[f"step {step}"] = {
+            "seconds": (hi - lo) / 1e6,
+            "seconds_with_ranks_waiting": [w / 1e6 for w in waiting_for],
+            "idle_core_seconds": idle / 1e6,
+            "all_waiting": stretches,
+        }
+    return {"cores": cores, "steps": result}
 
 
 def on_emulated_cluster(args) -> int:
@@ -378,6 +454,8 @@ def report(args, result: dict, path: str) -> None:
         report_cpu(args, result, world)
     if "ranks" in result:
         report_spread(result["ranks"])
+    if "idle_cores" in result:
+        report_idle_cores(result["idle_cores"])
     print(f"\nwrote {path}")
     json_path = Path(path).with_name(f"trace_{args.config}{args.tag}_summary.json")
     json_path.write_text(
@@ -429,6 +507,31 @@ def report_spread(phases: dict) -> None:
     for name, ph in phases.items():
         ends = " | ".join(f"{t:.3f}" for t in ph["ends"])
         print(f"| {name} | {ends} | {ph['end_spread_seconds']:.3f} |")
+
+
+def report_idle_cores(idle: dict) -> None:
+    steps = idle["steps"]
+    ranks = len(next(iter(steps.values()))["seconds_with_ranks_waiting"]) - 1
+    print(
+        f"\nranks waiting at once, every rank's trace read together ({idle['cores']} cores; "
+        "a rank computes on one thread; s)\n"
+    )
+    print(
+        "| step | seconds | "
+        + " | ".join(f"{k} waiting" for k in range(ranks + 1))
+        + " | idle core-seconds |"
+    )
+    print("|---|" + "---:|" * (ranks + 3))
+    for name, st in steps.items():
+        counts = " | ".join(f"{s:.3f}" for s in st["seconds_with_ranks_waiting"])
+        print(f"| {name} | {st['seconds']:.3f} | {counts} | {st['idle_core_seconds']:.3f} |")
+    for name, st in steps.items():
+        for stretch in st["all_waiting"]:
+            print(
+                f"  every rank waiting {stretch['seconds']:.3f} s in {name}, from "
+                f"{stretch['after_start_seconds']:.3f} s after its start "
+                f"(rank 0 in {stretch['rank0_phase']})"
+            )
 
 
 def report_gpu(gpu: dict) -> None:

@@ -82,6 +82,11 @@ def test_the_script_traces_two_steps_of_two_ranks(tmp_path):
     assert "| all |" in done.stdout
     summary = json.loads((tmp_path / "trace_zppc-zero3_summary.json").read_text())
     assert len(summary["ranks"]["step 2 optimizer"]["ends"]) == 2
+    steps = summary["idle_cores"]["steps"]
+    assert list(steps) == ["step 1", "step 2"]
+    for st in steps.values():
+        assert sum(st["seconds_with_ranks_waiting"]) == pytest.approx(st["seconds"])
+    assert "idle core-seconds" in done.stdout
 
 
 def test_phase_spread_reads_every_rank_on_the_common_clock():
@@ -102,6 +107,42 @@ def test_phase_spread_reads_every_rank_on_the_common_clock():
     assert forward["ends"] == pytest.approx([1000e-6, 1030e-6])
     assert forward["end_spread_seconds"] == pytest.approx(30e-6)
     assert phases["step 1 backward"]["end_spread_seconds"] == pytest.approx(10e-6)
+
+
+def test_idle_cores_counts_ranks_waiting_at_once_on_the_common_clock():
+    """Two ranks on one core, step 1 over 0-1000 us on the common clock (rank
+    1's own clock starts 100 us later). Rank 0 waits 200-600 and 850-880;
+    rank 1 waits 400-800 and 840-890, and before its forward (it starts at
+    50) and after its optimizer step (done at 950). The core idles only
+    while both wait (400-600 and 850-880); a wait on another thread (a gloo
+    worker) is no rank waiting."""
+
+    def trace(base_ns: int, shift: float, phases: dict, waits: list) -> dict:
+        events = [span(name, a - shift, b - shift) for name, (a, b) in phases.items()]
+        events += [span("_c10d_functional::wait_tensor", a - shift, b - shift) for a, b in waits]
+        events.append(span("gloo:all_gather", 0, 900 - shift, GLOO))
+        events.append(span("wait on a worker", 0, 900 - shift, GLOO))
+        return {"baseTimeNanoseconds": base_ns, "traceEvents": events}
+
+    steps = {"step 1 forward": (0, 300), "step 1 backward": (300, 900)}
+    rank0 = trace(0, 0, {**steps, "step 1 optimizer": (900, 1000)}, [(200, 600), (850, 880)])
+    steps["step 1 forward"] = (50, 300)
+    rank1 = trace(100_000, 100, {**steps, "step 1 optimizer": (900, 950)}, [(400, 800), (840, 890)])
+    idle = step_trace.idle_cores([rank0, rank1], cores=1, shown_s=100e-6)
+    assert idle["cores"] == 1
+    st = idle["steps"]["step 1"]
+    assert st["seconds"] == pytest.approx(1000e-6)
+    # None waiting: 50-200, 800-840, 890-950; one: 0-50, 200-400, 600-800,
+    # 840-850, 880-890, 950-1000; both: 400-600, 850-880.
+    assert st["seconds_with_ranks_waiting"] == pytest.approx([250e-6, 520e-6, 230e-6])
+    assert st["idle_core_seconds"] == pytest.approx(230e-6)
+    (stretch,) = st["all_waiting"]  # 850-880 is shorter than shown_s
+    assert stretch["after_start_seconds"] == pytest.approx(400e-6)
+    assert stretch["seconds"] == pytest.approx(200e-6)
+    assert stretch["rank0_phase"] == "step 1 backward"
+    # Two cores: one idles while one rank waits, both while both do.
+    two = step_trace.idle_cores([rank0, rank1], cores=2)["steps"]["step 1"]
+    assert two["idle_core_seconds"] == pytest.approx((520 + 2 * 230) * 1e-6)
 
 
 def gpu(name: str, start: float, end: float, stream: int, cat: str = "kernel") -> dict:
