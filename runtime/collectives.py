@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
@@ -271,32 +272,32 @@ def _chain_hops(
 
     def finished(index: int) -> Callable[[torch.futures.Future], None]:
         def on_done(work: torch.futures.Future) -> None:
-            _callback_started()
-            try:
-                work.wait()
-                hop_done[index].set_result(None)
-                if index == len(hops) - 1:
-                    if finish is not None:
-                        with torch.no_grad():
-                            finish()
-                    done.set_result([out])
-            except Exception as exc:  # noqa: BLE001  (handed to the waiting thread)
-                fail(exc)
+            with _in_chain_callback():
+                try:
+                    work.wait()
+                    hop_done[index].set_result(None)
+                    if index == len(hops) - 1:
+                        if finish is not None:
+                            with torch.no_grad():
+                                finish()
+                        done.set_result([out])
+                except Exception as exc:  # noqa: BLE001  (handed to the waiting thread)
+                    fail(exc)
 
         return on_done
 
     def issue_when(predecessors: list[torch.futures.Future], index: int) -> None:
         def issue_hop(collected: torch.futures.Future) -> None:
-            _callback_started()
-            try:
-                for future in collected.value():
-                    future.wait()  # raises an earlier hop's failure
-                with torch.no_grad():
-                    work = hops[index]()
-            except Exception as exc:  # noqa: BLE001
-                fail(exc)
-                return
-            work.get_future().then(finished(index))
+            with _in_chain_callback():
+                try:
+                    for future in collected.value():
+                        future.wait()  # raises an earlier hop's failure
+                    with torch.no_grad():
+                        work = hops[index]()
+                except Exception as exc:  # noqa: BLE001
+                    fail(exc)
+                    return
+                work.get_future().then(finished(index))
 
         torch.futures.collect_all(predecessors).then(issue_hop)
 
@@ -352,9 +353,21 @@ _LATEST_CALLBACK_AT = float("-inf")
 CALLBACK_SETTLE_S = 0.5
 
 
-def _callback_started() -> None:
+# Whether this thread is running one of the chains' callbacks (a gloo thread).
+_CHAIN_CALLBACK = threading.local()
+
+
+@contextlib.contextmanager
+def _in_chain_callback() -> Iterator[None]:
+    """The block a chain's callback runs in: its start is noted for the exit
+    hook (`CALLBACK_SETTLE_S`), and `eager_collective` refuses its thread."""
     global _LATEST_CALLBACK_AT
     _LATEST_CALLBACK_AT = time.monotonic()
+    _CHAIN_CALLBACK.running = True
+    try:
+        yield
+    finally:
+        _CHAIN_CALLBACK.running = False
 
 
 @atexit.register
@@ -407,8 +420,21 @@ def eager_collective(what: str, group_name: str) -> Iterator[None]:
     ranks' in whatever order each rank's threads got there. Nothing is in
     flight there between zppc's graphs (each waits its gathers before it
     returns); this keeps zppc's eager collectives (state dicts, clipping, an
-    eager `unshard`) from ever doing so regardless."""
-    with waiting_on(f"{what} over ranks {group_ranks(group_name)}"):
+    eager `unshard`) from ever doing so regardless.
+
+    Never from a chain's callback (a hop, or the `finish` of `_chain_hops`),
+    which raises instead of hanging the rank: a callback runs on a gloo
+    thread, which would wait for futures only gloo's threads complete, or on
+    the issuing thread where the chain had nothing to wait for, which would
+    wait for the chain it is building."""
+    where = f"{what} over ranks {group_ranks(group_name)}"
+    if getattr(_CHAIN_CALLBACK, "running", False):
+        raise RuntimeError(
+            f"zppc: {where} was issued inside a chained collective's hop, where it would "
+            "wait for that chain, or on a gloo thread for gloo's own work: issue it from "
+            "the thread that issues the chained collective, before or after it"
+        )
+    with waiting_on(where):
         for future in _LATEST_HOPS.get((world_epoch(), group_name), ()):
             if not future.done():
                 future.wait()  # raises the chained collective's failure

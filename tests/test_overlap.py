@@ -748,6 +748,21 @@ def test_eager_collective_waits_for_the_gathers_chained_on_its_group():
 
 
 @pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_eager_collective_inside_a_chained_hop_raises_instead_of_hanging():
+    """An eager collective issued from a chain's hop (on a gloo thread, or on
+    the issuing thread where the chain had nothing to wait for) would wait
+    for the chain it runs in: the rank hung there. Now it raises, the chained
+    collective's wait raises it on every rank, and nothing is left waiting."""
+    from spawn import run_ranks
+    from workers import eager_collective_inside_a_chain
+
+    for raised in run_ranks(eager_collective_inside_a_chain, 2, timeout=120):
+        assert raised is not None and "inside a chained collective's hop" in raised, raised
+        assert "an eager all-gather over ranks [0, 1]" in raised, raised
+
+
+@pytest.mark.multiproc
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
     "rounds, seeds",

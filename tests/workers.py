@@ -612,6 +612,29 @@ def eager_collective_after_chained_gathers(rank, world):
     return right, most[groups.world]
 
 
+def eager_collective_inside_a_chain(rank, world):
+    """A chained collective over the world group of one rank per node (a
+    plain gloo group) whose hop issues a synchronous eager all-gather over
+    the same group: it would wait for the chain it runs in. Returns the error
+    the chained collective's wait raises (None if it returned)."""
+    import torch.distributed._functional_collectives as funcol
+    from zppc.runtime.collectives import _chain_hops, all_gather_flat
+    from zppc.runtime.topology import Topology, setup_groups
+
+    groups = setup_groups(Topology(world, 1), timeout_s=120)
+    out = torch.empty(world)
+
+    def hop():
+        return all_gather_flat(torch.ones(1), groups.world)
+
+    _chain_hops(out, groups.world, [hop])
+    try:
+        funcol.wait_tensor(out)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
 def two_hop_gathers(rank, world):
     """Every (size, dtype) case gathered over the hop world of a 2 x 2 topology
     (issued all at once, then waited in reverse: the second hops must still
