@@ -79,14 +79,20 @@ def weights_to_keep(needed: list[fx.Node], budget: int) -> list[fx.Node]:
     of re-gathering: the last read in forward first (the backward needs them
     first, before any compute could hide their re-gather; a tied output head
     reads the embedding gathered first), while their gathered bytes fit in
-    `budget`. Returned last read first."""
+    what is left of `budget`. A weight larger than the whole budget is passed
+    over, not an end: GPT-2's tied embedding (154 MB, read last by the head)
+    left its last block (28 MB, the one-block budget of `keep_last_block`)
+    re-gathered with nothing kept at all. Returned last read first."""
     kept: list[fx.Node] = []
+    left = budget
     for node in reversed(needed):
         size = gathered_bytes(node)
         if size > budget:
+            continue
+        if size > left:
             break
         kept.append(node)
-        budget -= size
+        left -= size
     return kept
 
 

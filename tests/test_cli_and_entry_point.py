@@ -5,8 +5,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from zppc.cli import main
+from zppc.config import repeated_block_bytes
+from zppc.models import GPT, PRESETS
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -188,6 +191,34 @@ def test_schedule_states_what_zero3_keeps_gathered(capsys):
     base = ["schedule", "gpt-tiny", "--world-size", "16", "--node-size", "4"]
     assert main(base) == 0
     assert "kept gathered from forward to backward (not re-gathered): " in capsys.readouterr().out
+
+
+def test_a_tied_embedding_larger_than_a_block_does_not_stop_keeping_the_last_block(capsys):
+    """GPT-2's output head reads its tied embedding last (154 MB gathered),
+    more than the one-block budget of `keep_last_block`: it is passed over
+    and gathered first in the backward, and the last block's weights after
+    it are kept (before, nothing was kept at all)."""
+    base = ["schedule", "gpt2-124m", "--world-size", "16", "--node-size", "4", "--format", "json"]
+    assert main(base) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert main([*base, "--no-keep-last-block"]) == 0
+    regathering = json.loads(capsys.readouterr().out)
+    with torch.device("meta"):
+        block = repeated_block_bytes(GPT(PRESETS["gpt2-124m"]))
+    assert plan["totals"]["kept_gathered_weights"] > 0
+    assert 0.5 * block < plan["totals"]["kept_gathered_bytes"] <= block
+
+    def backward_gathers(plan):
+        return [
+            r["bytes_per_peer"] * r["group_size"]
+            for r in plan["collectives"]
+            if r["graph"] == "backward" and r["kind"] == "all_gather"
+        ]
+
+    embedding = PRESETS["gpt2-124m"].vocab_size * PRESETS["gpt2-124m"].n_embd * 4
+    assert backward_gathers(plan)[0] >= embedding  # re-gathered, first
+    fewer = sum(backward_gathers(regathering)) - sum(backward_gathers(plan))
+    assert fewer >= plan["totals"]["kept_gathered_bytes"]
 
 
 def test_every_config_flag_reaches_the_schedule(capsys):

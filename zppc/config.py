@@ -176,8 +176,9 @@ class Config:
     `reshard_after_forward=False` for those; DeepSpeed's prefetcher does this
     implicitly for small models). The last weights the forward gathers are
     kept first: the backward needs them first, before any compute could hide
-    their re-gather. 0 re-gathers every weight. `zppc.inspect` states what was
-    kept."""
+    their re-gather; one larger than the whole budget is passed over (re-gathered)
+    and those read before it still kept. 0 re-gathers every weight.
+    `zppc.inspect` states what was kept."""
 
     keep_last_block: bool = True
     """zero3 only (the other strategies keep every gathered weight): the
@@ -188,7 +189,9 @@ class Config:
     computed before it to hide behind; kept, they cost no memory at the
     backward's start, where they would be gathered again anyway, only through
     the loss. FSDP2 keeps its root module's weights so, torchtitan its last
-    block. A model without a repeated block keeps nothing by this (one
+    block. A weight read last that is larger than that budget (GPT-2's tied
+    embedding, read by its output head) is re-gathered, and the last block's
+    weights are kept all the same. A model without a repeated block keeps nothing by this (one
     bucket there can be the whole model). `keep_gathered_bytes` applies
     instead where it is larger; `zppc.inspect` states what was kept. False
     re-gathers them."""
