@@ -363,11 +363,14 @@ def _in_chain_callback() -> Iterator[None]:
     hook (`CALLBACK_SETTLE_S`), and `eager_collective` refuses its thread."""
     global _LATEST_CALLBACK_AT
     _LATEST_CALLBACK_AT = time.monotonic()
+    # Callbacks nest: completing a future runs the callbacks already waiting
+    # on it at once, on this thread.
+    outer = getattr(_CHAIN_CALLBACK, "running", False)
     _CHAIN_CALLBACK.running = True
     try:
         yield
     finally:
-        _CHAIN_CALLBACK.running = False
+        _CHAIN_CALLBACK.running = outer
 
 
 @atexit.register

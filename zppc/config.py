@@ -176,9 +176,9 @@ class Config:
     `reshard_after_forward=False` for those; DeepSpeed's prefetcher does this
     implicitly for small models). The last weights the forward gathers are
     kept first: the backward needs them first, before any compute could hide
-    their re-gather; one larger than the whole budget is passed over (re-gathered)
-    and those read before it still kept. 0 re-gathers every weight.
-    `zppc.inspect` states what was kept."""
+    their re-gather; one larger than the whole budget is passed over
+    (re-gathered) and those read before it still kept. 0 re-gathers every
+    weight. `zppc.inspect` states what was kept."""
 
     keep_last_block: bool = True
     """zero3 only (the other strategies keep every gathered weight): the
@@ -191,10 +191,10 @@ class Config:
     the loss. FSDP2 keeps its root module's weights so, torchtitan its last
     block. A weight read last that is larger than that budget (GPT-2's tied
     embedding, read by its output head) is re-gathered, and the last block's
-    weights are kept all the same. A model without a repeated block keeps nothing by this (one
-    bucket there can be the whole model). `keep_gathered_bytes` applies
-    instead where it is larger; `zppc.inspect` states what was kept. False
-    re-gathers them."""
+    weights are kept all the same. A model without a repeated block keeps
+    nothing by this (one bucket there can be the whole model).
+    `keep_gathered_bytes` applies instead where it is larger; `zppc.inspect`
+    states what was kept. False re-gathers them."""
 
     reduce_scatter: str = "auto"
     """How a gradient reduce-scatter (zero2/zero3, not qgZ's hops) runs:
