@@ -68,6 +68,11 @@ CONFIGS: dict[str, tuple[str, dict | None]] = {
     # Weights kept gathered from forward to backward (what DeepSpeed's
     # prefetcher does for a model this small; FSDP2's reshard_after_forward=False).
     "zppc-zero3-keep": ("zppc", {"strategy": "zero3", "keep_gathered_bytes": 2**30}),
+    # gpt-small: its last block whole and the tied embedding the head reads
+    # after it (3.41 MB gathered) kept; the default one-block budget leaves the
+    # block's attention input projection (0.79 MB) as the backward's first
+    # gather, which takes a prefetch slot.
+    "zppc-zero3-keep-block": ("zppc", {"strategy": "zero3", "keep_gathered_bytes": 3_500_000}),
     # Gathers issued as late as the cost model (the cluster's measured link
     # and compute rates) says still hides them, up to two buckets ahead.
     "zppc-zero3-cost": ("zppc", {"strategy": "zero3", "prefetch": 2, "cost_model": "cluster"}),
