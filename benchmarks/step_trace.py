@@ -108,19 +108,10 @@ def gaps(intervals, lo: float, hi: float) -> list[tuple[float, float]]:
 def analyse(events: list[dict]) -> dict:
     """Step phases, waits and collectives (microseconds) read off a Chrome trace."""
     spans = [e for e in events if e.get("ph") == "X"]
-    marks = {
-        e["name"]: (e["ts"], e["ts"] + e["dur"]) for e in spans if e["name"].startswith("step ")
-    }
-    main = next(e["tid"] for e in spans if e["name"].startswith("step "))
+    marks, waits = _marks_and_waits(spans)
     comms = [
         (e["ts"], e["ts"] + e["dur"], e["name"]) for e in spans if e["name"].startswith("gloo:")
     ]
-    # The main thread computes (operators, Python) whenever it is not waiting
-    # for a collective: in a functional collective's wait_tensor or in zppc's
-    # own eager waits (`zppc::wait`).
-    waits = union(
-        [(e["ts"], e["ts"] + e["dur"]) for e in spans if e["tid"] == main and "wait" in e["name"]]
-    )
     busy = union([(a, b) for a, b, _ in comms])
 
     def hidden(intervals) -> float:
@@ -315,12 +306,12 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def _on_common_clock(trace: dict) -> tuple[dict, list]:
-    """A rank's step phases (name -> (start, end)) and its main thread's waits
-    (a union of intervals), in microseconds on the clock every rank's trace
-    shares (each trace's timestamps count from its own base)."""
-    base = trace.get("baseTimeNanoseconds", 0) / 1e3
-    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+def _marks_and_waits(spans: list[dict], base: float = 0.0) -> tuple[dict, list]:
+    """A trace's step phases (name -> (start, end)) and its main thread's waits
+    (a union of intervals), in microseconds, `base` added. The main thread
+    (the one that marked the steps) computes, operators and Python, whenever
+    it is not waiting for a collective: in a functional collective's
+    wait_tensor or in zppc's own eager waits (`zppc::wait`)."""
     main = next(e["tid"] for e in spans if e["name"].startswith("step "))
     marks = {
         e["name"]: (base + e["ts"], base + e["ts"] + e["dur"])
@@ -333,6 +324,13 @@ def _on_common_clock(trace: dict) -> tuple[dict, list]:
         if e["tid"] == main and "wait" in e["name"]
     ]
     return marks, union(waits)
+
+
+def _on_common_clock(trace: dict) -> tuple[dict, list]:
+    """`_marks_and_waits` of one rank's trace on the clock every rank's trace
+    shares (each trace's timestamps count from its own base)."""
+    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    return _marks_and_waits(spans, trace.get("baseTimeNanoseconds", 0) / 1e3)
 
 
 def phase_spread(traces: list[dict]) -> dict:
