@@ -7,6 +7,13 @@ path); ranks on different nodes cross the shaped veth (the slow "inter-node"
 link). The root-side veth counters give the bytes that really left each node,
 independently of zppc's ledger. Needs root and iproute2; everything created is
 removed on exit, error or Ctrl-C.
+
+With `cpu_per_rank`, each rank also runs in a cgroup of its own (cgroup v1's
+cpu controller) whose CFS quota holds it to that share of a core, as a rank
+on a real cluster has its own device: a rank computes at the same speed
+whether its peers compute or wait, so the ranks do not drift apart on who
+the scheduler favoured, and a rank cannot borrow the cores its waiting peers
+leave. Without it the ranks share the host's cores freely.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ class ClusterError(RuntimeError):
 
 
 RESULT_PREFIX = "RESULT "
+CPU_SHARE_ENV = "ZPPC_BENCH_CPU_SHARE_DIR"
+CPU_PERIOD_US = 10_000  # short, so a throttled rank waits at most a few ms for its next share
 
 
 def result_lines(outputs: list[str]) -> list[dict]:
@@ -67,7 +76,9 @@ class EmulatedCluster:
     latency: str | None = None
     tag: str = field(default_factory=lambda: f"{os.getpid() % 10000}")
     subnet: str = "10.213.77"
+    cpu_per_rank: float | None = None
     created: list[tuple[str, str]] = field(default_factory=list)
+    cpu_mount: Path | None = field(default=None, init=False, repr=False)
 
     def namespace(self, node: int) -> str:
         return f"zppc{self.tag}n{node}"
@@ -130,6 +141,14 @@ class EmulatedCluster:
 
     def close(self) -> None:
         for kind, name in reversed(self.created):
+            if kind in ("cgroup", "mount"):  # a cgroup is empty by then: its rank has exited
+                if kind == "mount":
+                    subprocess.run(("umount", name), capture_output=True)
+                try:
+                    os.rmdir(name)
+                except OSError:
+                    pass
+                continue
             cmd = ("ip", "netns", "del", name) if kind == "netns" else ("ip", "link", "del", name)
             subprocess.run(cmd, capture_output=True)
         self.created.clear()
@@ -155,6 +174,39 @@ class EmulatedCluster:
             f"{k}={v}" for k, v in {**env, "GLOO_SOCKET_IFNAME": self.node_link(node)}.items()
         ]
         return ["ip", "netns", "exec", self.namespace(node), "env", *assignments]
+
+    def cpu_shares(self, world: int) -> dict[str, str]:
+        """One cpu cgroup per rank, each with a quota of `cpu_per_rank` cores
+        (made once per world size); the environment that tells a rank where
+        to join (`join_cpu_share`). Empty without `cpu_per_rank`. The cpu
+        hierarchy is mounted again outside /sys, which `ip netns exec`
+        replaces with the namespace's own."""
+        if self.cpu_per_rank is None:
+            return {}
+        if self.cpu_mount is None:
+            mount = tempfile.mkdtemp(prefix="zppc-cpu-")
+            self.created.append(("mount", mount))
+            done = subprocess.run(
+                ["mount", "-t", "cgroup", "-o", "cpu", "cgroup", mount],
+                capture_output=True,
+                text=True,
+            )
+            if done.returncode:
+                raise ClusterError(
+                    f"--cpu-per-rank needs cgroup v1's cpu controller: {done.stderr.strip()}"
+                )
+            self.cpu_mount = Path(mount)
+        root = self.cpu_mount / f"zppc{self.tag}"
+        quota = max(1000, round(self.cpu_per_rank * CPU_PERIOD_US))
+        for path in [root, *(root / f"r{rank}" for rank in range(world))]:
+            if path.exists():
+                continue
+            path.mkdir()
+            self.created.append(("cgroup", str(path)))
+            if path != root:
+                (path / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
+                (path / "cpu.cfs_quota_us").write_text(str(quota))
+        return {CPU_SHARE_ENV: str(root)}
 
     def measure_link(self, nbytes: int = 4 << 20) -> float:
         """Bits per second measured by sending `nbytes` from node 0 to node 1
@@ -207,6 +259,7 @@ class EmulatedCluster:
     ) -> list[str]:
         """Run `torchrun --nnodes K` in every node; return each node's output."""
         port = "29511"  # the namespaces are fresh: nothing else listens there
+        env = {**env, **self.cpu_shares(self.nodes * ranks_per_node)}
         procs = []
         for node in range(self.nodes):
             cmd = [
@@ -252,3 +305,37 @@ class EmulatedCluster:
                 f"{outputs[failed[0]][-4000:]}"
             )
         return outputs
+
+
+def cpu_per_rank_arg(value: str) -> float:
+    """`--cpu-per-rank`'s value: a share of a core, or "auto" (the host's
+    cores over the world size, resolved by `resolve_cpu_per_rank`: -1 here)."""
+    if value == "auto":
+        return -1.0
+    share = float(value)
+    if share <= 0:
+        raise ValueError(f"--cpu-per-rank must be positive or auto, got {value}")
+    return share
+
+
+def resolve_cpu_per_rank(share: float | None, world: int) -> float | None:
+    """ "auto" (-1) as the host's cores shared evenly among `world` ranks."""
+    return os.cpu_count() / world if share == -1.0 else share
+
+
+def join_cpu_share() -> None:
+    """Move this rank's process (every thread) into its cgroup, where the
+    cluster made one (`EmulatedCluster.cpu_per_rank`); a rank calls it first."""
+    root = os.environ.get(CPU_SHARE_ENV)
+    if root:
+        Path(root, f"r{os.environ['RANK']}", "cgroup.procs").write_text(str(os.getpid()))
+
+
+def cpu_share() -> float | None:
+    """The share of a core this rank is held to (None: no `cpu_per_rank`)."""
+    root = os.environ.get(CPU_SHARE_ENV)
+    if not root:
+        return None
+    group = Path(root, f"r{os.environ['RANK']}")
+    quota = int((group / "cpu.cfs_quota_us").read_text())
+    return quota / int((group / "cpu.cfs_period_us").read_text())

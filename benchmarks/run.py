@@ -28,7 +28,13 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from cluster import ClusterError, EmulatedCluster, require_privileges  # noqa: E402
+from cluster import (  # noqa: E402
+    ClusterError,
+    EmulatedCluster,
+    cpu_per_rank_arg,
+    require_privileges,
+    resolve_cpu_per_rank,
+)
 from machine import measure_rates  # noqa: E402
 from worker import (  # noqa: E402
     CONFIGS,
@@ -51,6 +57,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--inter-bw", default="1gbit,100mbit", help="comma-separated tc rates, e.g. 1gbit,100mbit"
     )
     p.add_argument("--latency", default=None, help="added one-way latency, e.g. 1ms")
+    p.add_argument(
+        "--cpu-per-rank",
+        type=cpu_per_rank_arg,
+        default=None,
+        help="hold each rank to this share of a core (a cgroup's CFS quota; 'auto': the "
+        "host's cores over the world size), as each rank of a real cluster has its own "
+        "device; default: ranks share the cores freely",
+    )
     p.add_argument("--model", default="gpt-small")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
@@ -300,11 +314,15 @@ def main(argv=None) -> int:
     # One thread's compute rates, for benchmarks/predict.py's cost model.
     report["machine_rates"] = args.machine_rates = measure_rates()
     rates = args.inter_bw.split(",")
+    cpu_per_rank = resolve_cpu_per_rank(args.cpu_per_rank, args.nodes * args.ranks_per_node)
+    report["args"]["cpu_per_rank"] = cpu_per_rank
     runs: dict[str, list[dict]] = {rate: [] for rate in rates}
     removed = True
     for repeat in range(args.repeats):
         for rate in rates:
-            with EmulatedCluster(nodes=args.nodes, rate=rate, latency=args.latency) as cluster:
+            with EmulatedCluster(
+                nodes=args.nodes, rate=rate, latency=args.latency, cpu_per_rank=cpu_per_rank
+            ) as cluster:
                 measured = cluster.measure_link()
                 # The cost model's rows price the rate collectives get (zppc links).
                 links = cluster.measure_collectives(args.ranks_per_node)

@@ -53,6 +53,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from cluster import cpu_per_rank_arg, cpu_share, join_cpu_share, resolve_cpu_per_rank
 from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile, record_function
 from worker import build, config_name
@@ -235,9 +236,17 @@ def main() -> None:
         help="every rank writes its trace; the summary adds each phase's start and end per rank",
     )
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    p.add_argument(
+        "--cpu-per-rank",
+        type=cpu_per_rank_arg,
+        default=None,
+        help="with --inter-bw: hold each rank to this share of a core ('auto': the host's "
+        "cores over the world size; benchmarks/cluster.py)",
+    )
     args = p.parse_args()
     if args.inter_bw is not None:
         sys.exit(on_emulated_cluster(args))
+    join_cpu_share()
     torch.set_num_threads(1)
     on_gpu = args.backend == "nccl"
     device = torch.device("cpu")
@@ -301,7 +310,9 @@ def main() -> None:
             ]
             result["ranks"] = phase_spread(traces)
             if not on_gpu:
-                result["idle_cores"] = idle_cores(traces, len(os.sched_getaffinity(0)))
+                result["idle_cores"] = idle_cores(
+                    traces, len(os.sched_getaffinity(0)), core_per_rank=cpu_share() or 1.0
+                )
         report(args, result, f"{raw}.gz")
     dist.destroy_process_group()
 
@@ -348,12 +359,16 @@ def phase_spread(traces: list[dict]) -> dict:
     return phases
 
 
-def idle_cores(traces: list[dict], cores: int, shown_s: float = 0.05) -> dict:
+def idle_cores(
+    traces: list[dict], cores: int, shown_s: float = 0.05, core_per_rank: float = 1.0
+) -> dict:
     """Per step, read across every rank's trace on the common clock: how long
     0, 1, ... of the ranks were waiting at once (in a collective's wait on
     their main thread, or not yet in the step or done with it), and the
     core-seconds the host's `cores` left idle for it (each rank computes on
-    one thread: with r ranks computing, max(0, cores - r) cores idle). Where
+    one thread, held to `core_per_rank` of a core where the cluster's
+    `--cpu-per-rank` set a share: with r ranks computing,
+    max(0, cores - r * core_per_rank) cores idle). Where
     every rank shares one host (the emulated cluster), that is what the step
     lost to waiting: a lone rank computing while its peers wait for it (the
     ranks drifting apart) leaves a core idle, as all of them waiting for a
@@ -383,7 +398,7 @@ def idle_cores(traces: list[dict], cores: int, shown_s: float = 0.05) -> dict:
             count, at = count + step_by, t
         waiting_for[count] += hi - at
         idle = sum(
-            seconds * max(0, cores - (ranks - waiting))
+            seconds * max(0.0, cores - (ranks - waiting) * core_per_rank)
             for waiting, seconds in enumerate(waiting_for)
         )
         stretches = [
@@ -403,7 +418,7 @@ def idle_cores(traces: list[dict], cores: int, shown_s: float = 0.05) -> dict:
             "idle_core_seconds": idle / 1e6,
             "all_waiting": stretches,
         }
-    return {"cores": cores, "steps": result}
+    return {"cores": cores, "core_per_rank": core_per_rank, "steps": result}
 
 
 def on_emulated_cluster(args) -> int:
@@ -430,7 +445,11 @@ def on_emulated_cluster(args) -> int:
         *(["--every-rank"] if args.every_rank else []),
         *([f"--bucket-mb={args.bucket_mb}"] if args.bucket_mb is not None else []),
     ]
-    with EmulatedCluster(nodes=args.nodes, rate=args.inter_bw) as cluster:
+    world = args.nodes * args.ranks_per_node
+    cpu_per_rank = resolve_cpu_per_rank(args.cpu_per_rank, world)
+    with EmulatedCluster(
+        nodes=args.nodes, rate=args.inter_bw, cpu_per_rank=cpu_per_rank
+    ) as cluster:
         measured = cluster.measure_link()
         print(f"link {args.inter_bw}: measured {measured / 1e6:,.1f} Mbit/s", flush=True)
         outputs = cluster.launch(
@@ -512,7 +531,7 @@ def report_idle_cores(idle: dict) -> None:
     ranks = len(next(iter(steps.values()))["seconds_with_ranks_waiting"]) - 1
     print(
         f"\nranks waiting at once, every rank's trace read together ({idle['cores']} cores; "
-        "a rank computes on one thread; s)\n"
+        f"a rank computes on one thread, held to {idle['core_per_rank']:g} of a core; s)\n"
     )
     print(
         "| step | seconds | "

@@ -19,6 +19,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from cluster import join_cpu_share
 
 # Printed by every rank after its first step: benchmarks/run.py retries a run
 # whose log lacks it (a start-up failure), never one that trained and failed.
@@ -246,6 +247,7 @@ def main() -> None:
     p.add_argument("--memory-bytes-per-second", type=float, default=None)
     p.add_argument("--result", required=True)
     args = p.parse_args()
+    join_cpu_share()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

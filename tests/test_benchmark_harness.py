@@ -156,6 +156,45 @@ def test_refuses_without_privileges_or_tools(monkeypatch, capsys):
     assert "needs tc (package iproute2)" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(
+    not CAN_RUN, reason="needs root with ip and tc (network namespaces, traffic shaping)"
+)
+def test_cpu_per_rank_holds_a_rank_in_a_node_to_its_share_of_a_core():
+    """A rank that joins its cgroup gets no more CPU than its quota, even on
+    an idle host, from inside a node's namespace (where /sys is the
+    namespace's own); every cgroup and the mount go with the cluster."""
+    from cluster import EmulatedCluster
+
+    with EmulatedCluster(nodes=1, rate="1gbit", cpu_per_rank=0.25) as cluster:
+        env = {**cluster.cpu_shares(world=2), "RANK": "1"}
+        spin = (
+            "import time\n"
+            "from cluster import join_cpu_share\n"
+            "join_cpu_share()\n"
+            "line = [l for l in open('/proc/self/cgroup') if ':cpu:' in l][0].strip()\n"
+            "start, cpu = time.monotonic(), time.process_time()\n"
+            "while time.monotonic() - start < 1.0:\n"
+            "    pass\n"
+            "print(line, time.process_time() - cpu, flush=True)\n"
+        )
+        done = subprocess.run(
+            [*cluster.exec_args(0, env), sys.executable, "-c", spin],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT / "benchmarks",
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        group, cpu_seconds = done.stdout.split()
+        assert group.endswith(f"/zppc{cluster.tag}/r1")
+        mount = cluster.cpu_mount
+        stat = (mount / f"zppc{cluster.tag}" / "r1" / "cpu.stat").read_text()
+        throttled = int(stat.split("nr_throttled ")[1].split()[0])
+    # A second of spinning at a quarter of a core.
+    assert float(cpu_seconds) < 0.6 and throttled > 0
+    assert not mount.exists()
+
+
 def test_benchmark_scripts_do_not_shadow_what_transformers_imports(tmp_path):
     """`python benchmarks/X.py` puts benchmarks/ first on sys.path, and spawned
     ranks inherit it. A script named like a package transformers imports when

@@ -143,6 +143,13 @@ def test_idle_cores_counts_ranks_waiting_at_once_on_the_common_clock():
     # Two cores: one idles while one rank waits, both while both do.
     two = step_trace.idle_cores([rank0, rank1], cores=2)["steps"]["step 1"]
     assert two["idle_core_seconds"] == pytest.approx((520 + 2 * 230) * 1e-6)
+    # Each rank held to half a core (--cpu-per-rank 0.5): one core idles even
+    # while both compute, one and a half while one does.
+    halves = step_trace.idle_cores([rank0, rank1], cores=2, core_per_rank=0.5)
+    assert halves["core_per_rank"] == 0.5
+    assert halves["steps"]["step 1"]["idle_core_seconds"] == pytest.approx(
+        (250 + 1.5 * 520 + 2 * 230) * 1e-6
+    )
 
 
 def gpu(name: str, start: float, end: float, stream: int, cat: str = "kernel") -> dict:
