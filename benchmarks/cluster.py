@@ -11,13 +11,15 @@ removed on exit, error or Ctrl-C.
 With `cpu_per_rank`, each rank also runs in a cgroup of its own (cgroup v1's
 cpu controller) whose CFS quota holds it to that share of a core, as a rank
 on a real cluster has its own device: a rank computes at the same speed
-whether its peers compute or wait, so the ranks do not drift apart on who
-the scheduler favoured, and a rank cannot borrow the cores its waiting peers
-leave. Without it the ranks share the host's cores freely.
+whether its peers compute or wait, and cannot borrow the cores its waiting
+peers leave (its gloo threads share its quota too). Without it the ranks
+share the host's cores freely. (At 2 x 2 and 40 Mbit/s the quota brought
+zppc no closer to hiding its communication: RESULTS' forty-fourth run.)
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -307,20 +309,22 @@ class EmulatedCluster:
         return outputs
 
 
-def cpu_per_rank_arg(value: str) -> float:
-    """`--cpu-per-rank`'s value: a share of a core, or "auto" (the host's
-    cores over the world size, resolved by `resolve_cpu_per_rank`: -1 here)."""
+def cpu_per_rank_arg(value: str) -> float | str:
+    """`--cpu-per-rank`'s value: a positive share of a core, or "auto"."""
     if value == "auto":
-        return -1.0
-    share = float(value)
+        return value
+    try:
+        share = float(value)
+    except ValueError:
+        share = 0.0
     if share <= 0:
-        raise ValueError(f"--cpu-per-rank must be positive or auto, got {value}")
+        raise argparse.ArgumentTypeError(f"a positive share of a core or auto, got {value!r}")
     return share
 
 
-def resolve_cpu_per_rank(share: float | None, world: int) -> float | None:
-    """ "auto" (-1) as the host's cores shared evenly among `world` ranks."""
-    return os.cpu_count() / world if share == -1.0 else share
+def resolve_cpu_per_rank(share: float | str | None, world: int) -> float | None:
+    """ "auto" as the host's cores shared evenly among `world` ranks."""
+    return os.cpu_count() / world if share == "auto" else share
 
 
 def join_cpu_share() -> None:

@@ -195,6 +195,21 @@ def test_cpu_per_rank_holds_a_rank_in_a_node_to_its_share_of_a_core():
     assert not mount.exists()
 
 
+def test_cpu_per_rank_takes_a_positive_share_or_auto(capsys):
+    import run
+    from cluster import resolve_cpu_per_rank
+
+    assert run.parse_args(["--cpu-per-rank", "0.5"]).cpu_per_rank == 0.5
+    assert resolve_cpu_per_rank(run.parse_args(["--cpu-per-rank", "auto"]).cpu_per_rank, 4) == (
+        os.cpu_count() / 4
+    )
+    assert run.parse_args([]).cpu_per_rank is None
+    for bad in ("0", "-1", "half"):
+        with pytest.raises(SystemExit):
+            run.parse_args(["--cpu-per-rank", bad])
+        assert f"a positive share of a core or auto, got '{bad}'" in capsys.readouterr().err
+
+
 def test_benchmark_scripts_do_not_shadow_what_transformers_imports(tmp_path):
     """`python benchmarks/X.py` puts benchmarks/ first on sys.path, and spawned
     ranks inherit it. A script named like a package transformers imports when
