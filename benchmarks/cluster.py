@@ -20,6 +20,7 @@ zppc no closer to hiding its communication: RESULTS' forty-fourth run.)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -143,13 +144,11 @@ class EmulatedCluster:
 
     def close(self) -> None:
         for kind, name in reversed(self.created):
+            if kind == "mount":
+                subprocess.run(("umount", name), capture_output=True)
             if kind in ("cgroup", "mount"):  # a cgroup is empty by then: its rank has exited
-                if kind == "mount":
-                    subprocess.run(("umount", name), capture_output=True)
-                try:
+                with contextlib.suppress(OSError):
                     os.rmdir(name)
-                except OSError:
-                    pass
                 continue
             cmd = ("ip", "netns", "del", name) if kind == "netns" else ("ip", "link", "del", name)
             subprocess.run(cmd, capture_output=True)
@@ -327,19 +326,24 @@ def resolve_cpu_per_rank(share: float | str | None, world: int) -> float | None:
     return os.cpu_count() / world if share == "auto" else share
 
 
+def _own_cpu_group() -> Path | None:
+    """This rank's cgroup, where the cluster made one (`cpu_shares`)."""
+    root = os.environ.get(CPU_SHARE_ENV)
+    return Path(root, f"r{os.environ['RANK']}") if root else None
+
+
 def join_cpu_share() -> None:
     """Move this rank's process (every thread) into its cgroup, where the
     cluster made one (`EmulatedCluster.cpu_per_rank`); a rank calls it first."""
-    root = os.environ.get(CPU_SHARE_ENV)
-    if root:
-        Path(root, f"r{os.environ['RANK']}", "cgroup.procs").write_text(str(os.getpid()))
+    group = _own_cpu_group()
+    if group is not None:
+        (group / "cgroup.procs").write_text(str(os.getpid()))
 
 
 def cpu_share() -> float | None:
     """The share of a core this rank is held to (None: no `cpu_per_rank`)."""
-    root = os.environ.get(CPU_SHARE_ENV)
-    if not root:
+    group = _own_cpu_group()
+    if group is None:
         return None
-    group = Path(root, f"r{os.environ['RANK']}")
     quota = int((group / "cpu.cfs_quota_us").read_text())
     return quota / int((group / "cpu.cfs_period_us").read_text())
