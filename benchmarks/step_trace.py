@@ -244,6 +244,10 @@ def main() -> None:
         "cores over the world size; benchmarks/cluster.py)",
     )
     args = p.parse_args()
+    if args.cpu_per_rank is not None and args.inter_bw is None:
+        p.error(
+            "--cpu-per-rank holds the emulated cluster's ranks to a share of a core: give --inter-bw too"
+        )
     if args.inter_bw is not None:
         sys.exit(on_emulated_cluster(args))
     join_cpu_share()

@@ -89,6 +89,20 @@ def test_the_script_traces_two_steps_of_two_ranks(tmp_path):
     assert "idle core-seconds" in done.stdout
 
 
+def test_the_script_refuses_a_cpu_share_without_the_emulated_cluster(tmp_path):
+    """`--cpu-per-rank` acts only on the emulated cluster's ranks: without
+    `--inter-bw` it once ran, ignored."""
+    done = subprocess.run(
+        [sys.executable, str(Path(step_trace.__file__)), "--cpu-per-rank", "0.5"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 2
+    assert "--cpu-per-rank" in done.stderr and "give --inter-bw too" in done.stderr
+
+
 def test_phase_spread_reads_every_rank_on_the_common_clock():
     """Two ranks' traces whose own clocks start 1 ms apart: rank 1 ends its
     forward 30 us after rank 0 on the common clock, though its own
