@@ -233,9 +233,70 @@ def test_every_config_flag_reaches_the_schedule(capsys):
         assert plans[(*base, *flag)] != plans[base], f"{flag} changed nothing on top of {base}"
 
 
+# The emulated 2 x 2 cluster's setting (RESULTS' forty-sixth run): a slow cross-node
+# link and compute of the same order, where the bucket cap and prefetch depth matter.
+TUNED = ["gpt-small", "--world-size", "4", "--node-size", "2", "--backend", "gloo"]
+TUNED += ["--inter-bw", "40mbit", "--tflops", "0.027", "--tokens-per-rank", "8192"]
+
+
+def test_tune_ranks_bucket_caps_and_prefetch_depths_by_the_plans_they_make(capsys):
+    """`--tune` plans every (bucket cap, prefetch) it lists, exactly as a plan
+    given those flags would, ranks them by predicted step, and suggests the
+    least gathered memory within 2% of the fastest."""
+    mib = 2**20
+    assert main(["schedule", *TUNED, "--tune", "--format", "json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows, suggested = report["tune"], report["suggested"]
+    with torch.device("meta"):
+        block = repeated_block_bytes(GPT(PRESETS["gpt-small"]))  # 3.01 MiB
+    # None (block-sized buckets ending where blocks do) and explicit caps around it,
+    # halving down to 1 MiB.
+    caps = {2 * block: 2 * block, None: block, block // 2: block // 2, mib: mib}
+    assert sorted((r["bucket_cap_bytes"], r["prefetch"]) for r in rows) == sorted(
+        (cap, p) for cap in caps.values() for p in (1, 2, 3)
+    )
+    for r in rows:
+        assert caps[r["bucket_bytes"]] == r["bucket_cap_bytes"]
+    assert [(r["bucket_bytes"], r["prefetch"]) for r in rows if r["default"]] == [(None, 1)]
+    steps = [r["step_seconds"] for r in rows]
+    assert steps == sorted(steps) and len(set(steps)) > 1
+    near = [r for r in rows if r["step_seconds"] <= steps[0] * 1.02]
+    assert suggested in near
+    assert suggested["gathered_bytes_alive_at_most"] == min(
+        r["gathered_bytes_alive_at_most"] for r in near
+    )
+    for r in rows:
+        assert r["gathered_bytes_alive_at_most"] == (r["prefetch"] + 1) * r["bucket_cap_bytes"]
+    # Each row is the plan those flags make on their own.
+    default = next(r for r in rows if r["default"])
+    assert default["speedup_over_default"] == 1.0
+    for row in (suggested, rows[-1]):
+        flags = ["--prefetch", str(row["prefetch"])]
+        if row["bucket_bytes"] is not None:
+            flags += ["--bucket-mb", repr(row["bucket_bytes"] / mib)]
+        assert main(["schedule", *TUNED, *flags, "--format", "json"]) == 0
+        plan = json.loads(capsys.readouterr().out)["totals"]
+        assert plan["step_seconds"] == row["step_seconds"]
+        assert plan["collectives"] == row["collectives"]
+    assert main(["schedule", *TUNED, "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["totals"]["step_seconds"] == default["step_seconds"]
+
+
+def test_tune_prints_its_ranking_and_the_config_to_use(capsys):
+    args = ["schedule", "gpt-tiny", "--world-size", "16", "--node-size", "4", "--tune"]
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    assert "(the default)" in table and "<- suggested" in table
+    assert "suggested: zppc.Config(..., bucket_bytes=" in table
+
+
 @pytest.mark.parametrize(
     "flags, words",
     [
+        (["--tune", "--prefetch", "2"], "leave out --prefetch"),
+        (["--tune", "--bucket-mb", "4"], "leave out --bucket-mb"),
+        (["--tune", "--compare", "zero2"], "leave out --compare"),
+        (["--tune", "--format", "chrome"], "not one plan's trace"),
         (["--qwz-block", "64"], "without --qwz"),
         (["--qgz-intra-node", "int4"], "without --qgz"),
         (["--osp-split", "last"], "without --osp"),

@@ -184,7 +184,7 @@ def _settings(args: argparse.Namespace):
             node_size=args.node_size,
             bucket_bytes=None if args.bucket_mb is None else int(args.bucket_mb * 2**20),
             reduce_scatter=args.reduce_scatter,
-            prefetch=args.prefetch,
+            prefetch=1 if args.prefetch is None else args.prefetch,
             keep_gathered_bytes=int(args.keep_gathered_mb * 2**20),
             keep_last_block=args.keep_last_block,
             edge_buckets=args.edge_buckets,
@@ -358,21 +358,170 @@ def _fork_plan(args: argparse.Namespace) -> tuple[int, int]:
     return pid, reader
 
 
-def _collect(pid: int, reader: int) -> dict:
+def _collect(pid: int, reader: int, what: str = "the comparison's plan") -> dict:
     with os.fdopen(reader, "rb") as pipe:
         data = pipe.read()
     _, status = os.waitpid(pid, 0)
     if not data:
         raise SystemExit(
-            f"zppc schedule: the comparison's plan ended without an answer "
+            f"zppc schedule: {what} ended without an answer "
             f"(wait status {status}); rerun with --jobs 1 to plan it in this process"
         )
     kind, value = pickle.loads(data)
     if kind == "exit":
         raise SystemExit(value)
     if kind == "error":
-        raise RuntimeError(f"the comparison's plan failed:\n{value}")
+        raise RuntimeError(f"{what} failed:\n{value}")
     return value
+
+
+def _plan_many(many: list[argparse.Namespace], jobs: int) -> list[dict]:
+    """The plans of `many`, in order; with `jobs` > 1 that many at once, each in
+    a forked process (this one plans none of them, so no child is forked from a
+    process whose thread pools have run)."""
+    if jobs < 2 or not hasattr(os, "fork"):
+        return [_plan(args) for args in many]
+    plans: list[dict] = []
+    for start in range(0, len(many), jobs):
+        running: list[tuple[int, int]] = []
+        try:
+            for args in many[start : start + jobs]:
+                running.append(_fork_plan(args))
+            while running:
+                pid, reader = running.pop(0)
+                plans.append(_collect(pid, reader, f"plan {len(plans) + 1} of {len(many)}"))
+        except BaseException:  # no plan left running, or blocked on its pipe
+            for pid, reader in running:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                os.close(reader)
+            raise
+    return plans
+
+
+# How close to the fastest predicted step `--tune`'s suggestion may be: the cost
+# model is good to tens of percent, so between settings this close it takes the
+# one that keeps less gathered memory alive.
+TUNE_TOLERANCE = 0.02
+TUNE_PREFETCH = (1, 2, 3)
+
+
+def tune_bucket_caps(block_cap: int) -> list[int | None]:
+    """The `Config.bucket_bytes` values `--tune` plans: twice the cap None
+    stands for (`block_cap`, where within `MAX_BUCKET_BYTES`), None itself
+    (that cap, buckets ending where blocks do), then halving while at least
+    `MIN_BUCKET_BYTES`, and that minimum where halving skips it. Largest first."""
+    from zppc.config import MAX_BUCKET_BYTES, MIN_BUCKET_BYTES
+
+    caps: list[int | None] = [2 * block_cap] if 2 * block_cap <= MAX_BUCKET_BYTES else []
+    caps.append(None)
+    cap = block_cap // 2
+    while cap >= MIN_BUCKET_BYTES:
+        caps.append(cap)
+        cap //= 2
+    if min(c or block_cap for c in caps) > MIN_BUCKET_BYTES:
+        caps.append(MIN_BUCKET_BYTES)
+    return caps
+
+
+def _tune(args: argparse.Namespace) -> int:
+    """Plan `args` over `tune_bucket_caps` x `TUNE_PREFETCH` and print them
+    ranked, with the settings to use."""
+    import torch
+
+    from zppc.config import block_bucket_bytes
+
+    for flag in ("bucket_mb", "prefetch", "compare"):
+        if getattr(args, flag) is not None:
+            raise SystemExit(
+                f"zppc schedule: --tune chooses the bucket cap and the prefetch depth itself; "
+                f"leave out --{flag.replace('_', '-')}"
+            )
+    if args.format == "chrome":
+        raise SystemExit("zppc schedule: --tune prints a table or json, not one plan's trace")
+    _settings(args)  # bad input is reported before any plan runs
+    with torch.device("meta"):
+        model, _, _ = _model_and_inputs(args.model, args.seq, args.tokens_per_rank)
+    param_dtype = getattr(torch, args.param_dtype) if args.param_dtype else None
+    block_cap = block_bucket_bytes(model, param_dtype)
+    grid = [(cap, prefetch) for cap in tune_bucket_caps(block_cap) for prefetch in TUNE_PREFETCH]
+    plans = _plan_many(
+        [
+            argparse.Namespace(
+                **{**vars(args), "bucket_mb": cap and cap / 2**20, "prefetch": prefetch}
+            )
+            for cap, prefetch in grid
+        ],
+        args.jobs,
+    )
+    default_step = plans[grid.index((None, 1))]["totals"]["step_seconds"]
+    rows = sorted(
+        (
+            {
+                "bucket_bytes": cap,  # as Config takes it: None is the block's cap
+                "bucket_cap_bytes": cap or block_cap,
+                "prefetch": prefetch,
+                "default": (cap, prefetch) == (None, 1),
+                "collectives": plan["totals"]["collectives"],
+                # What `Config.prefetch` bounds: that many gathered buckets alive at once.
+                "gathered_bytes_alive_at_most": (prefetch + 1) * (cap or block_cap),
+                "node_link_bytes": plan["totals"]["node_link_bytes"],
+                "step_seconds": plan["totals"]["step_seconds"],
+                "hidden_fraction": plan["totals"]["hidden_fraction"],
+                "speedup_over_default": default_step / plan["totals"]["step_seconds"],
+            }
+            for (cap, prefetch), plan in zip(grid, plans, strict=True)
+        ),
+        key=lambda row: (row["step_seconds"], row["gathered_bytes_alive_at_most"]),
+    )
+    fastest = rows[0]["step_seconds"]
+    suggested = min(
+        (row for row in rows if row["step_seconds"] <= fastest * (1 + TUNE_TOLERANCE)),
+        key=lambda row: (row["gathered_bytes_alive_at_most"], row["step_seconds"]),
+    )
+    out = open(args.output, "w") if args.output else sys.stdout  # noqa: SIM115
+    try:
+        if args.format == "json":
+            json.dump({"config": vars(args), "tune": rows, "suggested": suggested}, out, indent=1)
+            out.write("\n")
+        else:
+            _print_tune(rows, suggested, args, out)
+    finally:
+        if args.output:
+            out.close()
+    return 0
+
+
+def _print_tune(rows: list[dict], suggested: dict, args: argparse.Namespace, out) -> None:
+    print(
+        f"{args.model}, {_features(args)}, world {args.world_size}, node {args.node_size}; "
+        f"{args.backend}, {_links_text(args)}; gathers issued {args.overlap} "
+        f"(MiB = 2^20 bytes, MB = 10^6)",
+        file=out,
+    )
+    print(
+        f"{'bucket MiB':>10s} {'prefetch':>8s} {'collectives':>11s} {'gathered MiB alive':>18s} "
+        f"{'node link MB':>12s} {'step ms':>10s} {'hidden':>6s} {'vs default':>10s}",
+        file=out,
+    )
+    for row in rows:
+        print(
+            f"{row['bucket_cap_bytes'] / 2**20:10.2f} {row['prefetch']:8d} {row['collectives']:11d} "
+            f"{row['gathered_bytes_alive_at_most'] / 2**20:18.2f} "
+            f"{row['node_link_bytes'] / 1e6:12.3f} {row['step_seconds'] * 1e3:10,.1f} "
+            f"{row['hidden_fraction']:6.0%} {row['speedup_over_default']:9.3f}x"
+            f"{'  (the default)' if row['default'] else ''}"
+            f"{'  <- suggested' if row is suggested else ''}",
+            file=out,
+        )
+    print(
+        f"suggested: zppc.Config(..., bucket_bytes={suggested['bucket_bytes']}, "
+        f"prefetch={suggested['prefetch']}): the least gathered memory within "
+        f"{TUNE_TOLERANCE:.0%} of the fastest predicted step, "
+        f"{suggested['speedup_over_default']:.3f}x the default's (Config(bucket_bytes=None, "
+        f"prefetch=1)); predictions, good to tens of percent: measure before you keep it",
+        file=out,
+    )
 
 
 # `zppc schedule`'s link flags and their values when neither they nor --links give one.
@@ -500,6 +649,8 @@ def _print_links(m) -> None:
 
 def _schedule(args: argparse.Namespace) -> int:
     _fill_link_flags(args)
+    if args.tune:
+        return _tune(args)
     other_args = _comparison_args(args) if args.compare else None
     for a in filter(None, (args, other_args)):
         _settings(a)  # every plan's bad input is reported before any plan runs
@@ -526,16 +677,22 @@ def _schedule(args: argparse.Namespace) -> int:
     return 0
 
 
+def _links_text(args: argparse.Namespace) -> str:
+    """The links and compute rate a plan assumes, for a table's first line."""
+    return (
+        f"links {args.intra_bw if args.intra_gbps is None else f'{args.intra_gbps:g}Gbit/s'} "
+        f"intra, {args.inter_bw if args.inter_gbps is None else f'{args.inter_gbps:g}Gbit/s'} "
+        f"inter, latency {args.latency}; {args.tokens_per_rank} tokens per rank at "
+        f"{f'{args.tflops:g} TFLOP/s' if args.tflops else args.device}"
+        f"{f', memory {args.memory_bw}' if args.memory_bw else ''}"
+    )
+
+
 def _print_table(plan, args, other, other_args, out) -> None:
     cfg_params = plan["totals"]["parameters"]
     print(
         f"{args.model} ({cfg_params / 1e6:,.1f}M parameters), {_features(args)}, "
-        f"world {args.world_size}, node {args.node_size}, rank {args.rank}; links "
-        f"{args.intra_bw if args.intra_gbps is None else f'{args.intra_gbps:g}Gbit/s'} intra, "
-        f"{args.inter_bw if args.inter_gbps is None else f'{args.inter_gbps:g}Gbit/s'} inter, "
-        f"latency {args.latency}; {args.tokens_per_rank} tokens per rank at "
-        f"{f'{args.tflops:g} TFLOP/s' if args.tflops else args.device}"
-        f"{f', memory {args.memory_bw}' if args.memory_bw else ''}"
+        f"world {args.world_size}, node {args.node_size}, rank {args.rank}; {_links_text(args)}"
         f"{', torch kernels' if args.kernels == 'torch' else ''}",
         file=out,
     )
@@ -647,7 +804,10 @@ def main(argv: list[str] | None = None) -> int:
         "all-reduce); native on nccl",
     )
     s.add_argument(
-        "--prefetch", type=int, default=1, help="gathered buckets issued ahead of the one in use"
+        "--prefetch",
+        type=int,
+        default=None,
+        help="gathered buckets issued ahead of the one in use (default 1)",
     )
     s.add_argument(
         "--overlap",
@@ -758,6 +918,13 @@ def main(argv: list[str] | None = None) -> int:
         default=min(2, os.cpu_count() or 1),
         help="plans at once: with --compare, 2 plans the comparison in a second process "
         "(default: 2 when there are 2 cores or more)",
+    )
+    s.add_argument(
+        "--tune",
+        action="store_true",
+        help="plan the step at each bucket cap (twice the model's repeated block, then halving "
+        "down to 1 MiB) and prefetch depth (1-3), rank them by predicted step time, and name "
+        "the settings to use: the least gathered memory within 2%% of the fastest",
     )
     s.add_argument("--format", choices=["table", "json", "chrome"], default="table")
     s.add_argument("-o", "--output", default=None, help="write to this file instead of stdout")

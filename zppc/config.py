@@ -134,7 +134,9 @@ class Config:
     (one holds whole blocks; a block is split only when it alone exceeds the
     cap, unpadded): FSDP2's per-block memory and unit, wrapped the way its
     users wrap, without per-block calls. Models without a repeated block get
-    25 MiB."""
+    25 MiB. Where links are slow against compute, smaller buckets leave less
+    exposed: `zppc schedule --tune` ranks caps and `prefetch` depths for given
+    links and compute."""
 
     edge_buckets: bool = True
     """Each graph's first parameter-gather bucket and last reduction bucket
