@@ -10,6 +10,7 @@ the bytes this rank receives and a predicted time from link bandwidths.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -17,6 +18,8 @@ import pickle
 import signal
 import sys
 import traceback
+from collections.abc import Iterator
+from typing import TextIO
 
 DTYPES = ["float32", "bfloat16", "float16"]
 
@@ -479,17 +482,23 @@ def _tune(args: argparse.Namespace) -> int:
         (row for row in rows if row["step_seconds"] <= fastest * (1 + TUNE_TOLERANCE)),
         key=lambda row: (row["gathered_bytes_alive_at_most"], row["step_seconds"]),
     )
-    out = open(args.output, "w") if args.output else sys.stdout  # noqa: SIM115
-    try:
+    with _output(args) as out:
         if args.format == "json":
             json.dump({"config": vars(args), "tune": rows, "suggested": suggested}, out, indent=1)
             out.write("\n")
         else:
             _print_tune(rows, suggested, args, out)
-    finally:
-        if args.output:
-            out.close()
     return 0
+
+
+@contextlib.contextmanager
+def _output(args: argparse.Namespace) -> Iterator[TextIO]:
+    """Where `zppc schedule` writes: the `-o` file, or standard output."""
+    if not args.output:
+        yield sys.stdout
+        return
+    with open(args.output, "w") as out:
+        yield out
 
 
 def _print_tune(rows: list[dict], suggested: dict, args: argparse.Namespace, out) -> None:
@@ -658,8 +667,7 @@ def _schedule(args: argparse.Namespace) -> int:
         plan, other = _plan(args), None
     else:
         plan, other = _plan_both(args, other_args, args.jobs)
-    out = open(args.output, "w") if args.output else sys.stdout  # noqa: SIM115
-    try:
+    with _output(args) as out:
         if args.format == "json":
             document = plan if other is None else {**plan, "compare": other}
             json.dump(document, out, indent=1)
@@ -671,9 +679,6 @@ def _schedule(args: argparse.Namespace) -> int:
             out.write("\n")
         else:
             _print_table(plan, args, other, other_args, out)
-    finally:
-        if args.output:
-            out.close()
     return 0
 
 
