@@ -87,6 +87,35 @@ def auto_before_two_hops(nodes: int, per_node: int) -> str:
     return "all_to_all" if per_node * (world - per_node) <= 2 * (world - 1) else "native"
 
 
+def _last_value(flags: list[str], flag: str) -> str | None:
+    """The value of `flag`'s last occurrence (argparse's choice), or None."""
+    at = [i for i, f in enumerate(flags) if f == flag]
+    return flags[at[-1] + 1] if at else None
+
+
+def keep_budget_of_one_bucket(flags: list[str], model: str) -> list[str]:
+    """Flags that make zero3's `Config.keep_last_block` keep what it kept
+    before its budget grew to `prefetch + 1` buckets: one repeated block's
+    gathered bytes, no more than one bucket. Only a cap below the block
+    differs; there the old budget is given as `keep_gathered_bytes`."""
+    import torch
+
+    from zppc.config import repeated_block_bytes
+    from zppc.models import GPT, PRESETS
+
+    strategy = _last_value(flags, "--strategy") or "zero3"
+    bucket_mb = _last_value(flags, "--bucket-mb")
+    if strategy != "zero3" or "--no-keep-last-block" in flags or bucket_mb is None:
+        return []
+    cap = float(bucket_mb) * 2**20
+    with torch.device("meta"):
+        block = repeated_block_bytes(GPT(PRESETS[model]))
+    if cap >= block:
+        return []
+    budget = max(cap / 2**20, float(_last_value(flags, "--keep-gathered-mb") or 0))
+    return ["--no-keep-last-block", "--keep-gathered-mb", str(budget)]
+
+
 def plan(run_args: dict, config: str, inter_bits: float, rates: dict) -> dict:
     """The plan's totals for one row (each rank's view is the same here: rank 0)."""
     from zppc.cli import main
@@ -114,10 +143,13 @@ def plan(run_args: dict, config: str, inter_bits: float, rates: dict) -> dict:
         flags += ["--no-keep-last-block"]  # what zero3 ran before Config.keep_last_block
     if run_args.get("edge_buckets") != "on":
         flags += ["--no-edge-buckets"]  # what every row ran before Config.edge_buckets
+    flags += schedule_flags(config)
+    if run_args.get("zero3_keep_budget") != "prefetch_buckets":
+        flags += keep_budget_of_one_bucket(flags, run_args["model"])
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "plan.json"
         with contextlib.redirect_stdout(io.StringIO()):
-            main([*flags, *schedule_flags(config), "-o", str(out)])
+            main([*flags, "-o", str(out)])
         return json.loads(out.read_text())["totals"]
 
 

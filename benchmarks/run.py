@@ -307,6 +307,8 @@ def main(argv=None) -> int:
     report["args"]["bucket_default"] = "block"
     # Runs recorded before Config.keep_last_block re-gathered every weight in backward.
     report["args"]["zero3_default_keeps"] = "last_block"
+    # Runs recorded before kept no more than one bucket of the last block, at any prefetch.
+    report["args"]["zero3_keep_budget"] = "prefetch_buckets"
     # Runs recorded before Config.edge_buckets bucketed a graph's edges like the rest.
     report["args"]["edge_buckets"] = "on"
     # Runs recorded before it reduced in two hops on gloo under "auto" exchanged directly.

@@ -163,12 +163,15 @@ class PassContext:
     @property
     def kept_gathered_bytes(self) -> int:
         """Gathered bytes zero3 keeps from forward to backward:
-        `Config.keep_gathered_bytes`, or one repeated block's, no more than a
-        bucket (`Config.keep_last_block`), where that is larger."""
+        `Config.keep_gathered_bytes`, or one repeated block's
+        (`Config.keep_last_block`) where that is larger, no more than the
+        `prefetch + 1` buckets the backward's start would hold re-gathering
+        them (one bucket at `prefetch=0`)."""
         config = self.config
         if config.strategy != "zero3" or not config.keep_last_block or self.state is None:
             return config.keep_gathered_bytes
-        return max(config.keep_gathered_bytes, min(self.state.block_bytes, self.bucket_bytes))
+        last_block = min(self.state.block_bytes, (config.prefetch + 1) * self.bucket_bytes)
+        return max(config.keep_gathered_bytes, last_block)
 
 
 def build_passes(config) -> list[GraphPass]:

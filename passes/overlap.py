@@ -147,7 +147,7 @@ def overlap_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     # is read from it.
     cost = ctx.config.cost_model
     timeline = LinkTimeline(graph, matches, gathers, cost) if cost is not None else None
-    prefetch_gathers(graph, gathers, ctx.config.prefetch, order, timeline)
+    prefetch_gathers(graph, gathers, ctx.config.prefetch, ctx.bucket_bytes, order, timeline)
     (output,) = graph.find_nodes(op="output")
     defer_reductions(others, ctx.config.prefetch + 1, output, order)
     for m in matches:
@@ -159,9 +159,9 @@ def overlap_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
 @dataclasses.dataclass(frozen=True)
 class StreamedBucket:
     """Gathered weights that die before the next bucket's do, in the order
-    they are used: a gather's bucket, or (`gather` None) the weights the
-    forward kept gathered for the backward (`Config.keep_last_block`), the
-    backward's first bucket, gathered already."""
+    they are used: a gather's bucket, or (`gather` None) weights the forward
+    kept gathered for the backward (`Config.keep_last_block`), gathered
+    already: the backward's first buckets."""
 
     gather: CollectiveMatch | None
     weights: tuple[fx.Node, ...]
@@ -207,6 +207,7 @@ def prefetch_gathers(
     graph: fx.Graph,
     gathers: list[CollectiveMatch],
     prefetch: int,
+    bucket_bytes: int,
     order: _Order,
     timeline: LinkTimeline | None = None,
 ) -> None:
@@ -218,7 +219,7 @@ def prefetch_gathers(
     placeholders = graph.find_nodes(op="placeholder")
     if not gathers or not placeholders:
         return
-    streamed = streamed_buckets(graph, gathers, order)
+    streamed = streamed_buckets(graph, gathers, bucket_bytes, order)
     program_order = {m: i for i, m in enumerate(gathers)}
     streaming = {b.gather for b in streamed}
     resident = [m for m in gathers if m not in streaming]
@@ -252,19 +253,18 @@ def _place_gather(m: CollectiveMatch, cursor: _Cursor) -> None:
 
 
 def streamed_buckets(
-    graph: fx.Graph, gathers: list[CollectiveMatch], order: _Order
+    graph: fx.Graph, gathers: list[CollectiveMatch], bucket_bytes: int, order: _Order
 ) -> list[StreamedBucket]:
     """The gathers in program order with their weights' last use, resident
     buckets left out (see `prefetch_gathers`), after the weights the forward
-    kept gathered where the graph has any: they count against the bound like
-    the bucket they replace (without them, the backward's second gather went
-    out at its start too: a third block alive, gpt-small at batch 64, +3 MiB
-    at the peak of live tensors). Buckets whose weights die at the same node
-    (a linear's weight and bias, split by a small cap) both stream: counting
-    the first as resident left its gather unprefetched, issued right before
-    its use (gpt-tiny at 30 kB buckets)."""
-    kept = kept_gathered_inputs(graph)
-    buckets = [StreamedBucket(None, kept, weights_last_use(kept, order))] if kept else []
+    kept gathered where the graph has any (`kept_buckets`): they count against
+    the bound like the buckets they replace (counted as nothing, the
+    backward's second gather went out at its start too: a third block alive,
+    gpt-small at batch 64, +3 MiB at the peak of live tensors). Buckets whose
+    weights die at the same node (a linear's weight and bias, split by a
+    small cap) both stream: counting the first as resident left its gather
+    unprefetched, issued right before its use (gpt-tiny at 30 kB buckets)."""
+    buckets = kept_buckets(kept_gathered_inputs(graph), bucket_bytes, order)
     buckets += [StreamedBucket(m, (m.wait,), weights_last_use((m.wait,), order)) for m in gathers]
     return [
         b
@@ -273,7 +273,30 @@ def streamed_buckets(
     ]
 
 
-def pin_gather_issues(gm: fx.GraphModule, prefetch: int) -> None:
+def kept_buckets(
+    kept: tuple[fx.Node, ...], bucket_bytes: int, order: _Order
+) -> list[StreamedBucket]:
+    """The kept weights as the buckets they take the place of: in the order
+    the backward is done with them, each group within `bucket_bytes` (a
+    weight larger than that alone). The keep budget may exceed one bucket
+    (`PassContext.kept_gathered_bytes`); so grouped, the backward's first
+    gathers still wait for kept weights to die as for gathered ones, and at
+    most `prefetch + 1` buckets' worth stays alive."""
+    last_use = {w: weights_last_use((w,), order) for w in kept}
+    buckets: list[list[fx.Node]] = []
+    filled = 0
+    for w in sorted(kept, key=lambda w: order[last_use[w]]):
+        value = w.meta["val"]
+        size = value.numel() * value.element_size()
+        if not buckets or filled + size > bucket_bytes:
+            buckets.append([])
+            filled = 0
+        buckets[-1].append(w)
+        filled += size
+    return [StreamedBucket(None, tuple(b), weights_last_use(tuple(b), order)) for b in buckets]
+
+
+def pin_gather_issues(gm: fx.GraphModule, prefetch: int, bucket_bytes: int) -> None:
     """Make the memory bound of `prefetch_gathers` a data dependency, for
     Inductor. Its scheduler keeps the graph's order only where data demands
     it: fusion moves a computation down to the kernel it joins, so a block's
@@ -289,7 +312,7 @@ def pin_gather_issues(gm: fx.GraphModule, prefetch: int) -> None:
 
     order = _Order(gm.graph)
     gathers = [m for m in find_collectives(gm.graph) if is_param_gather(m)]
-    streamed = streamed_buckets(gm.graph, gathers, order)
+    streamed = streamed_buckets(gm.graph, gathers, bucket_bytes, order)
     deps: dict[fx.Node, OrderedSet[fx.Node]] = {}
     for k in range(prefetch + 1, len(streamed)):
         issue = streamed[k].gather.issue

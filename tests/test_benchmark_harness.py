@@ -127,6 +127,30 @@ def test_predict_plans_a_row_at_its_own_bucket_cap():
     assert schedule_flags("zppc-zero3-no-edge") == ["--strategy", "zero3", "--no-edge-buckets"]
 
 
+def test_predict_plans_an_older_run_with_the_keep_budget_it_ran():
+    """Runs recorded before `keep_last_block`'s budget grew to `prefetch + 1`
+    buckets kept one bucket of the last block where the cap was below it:
+    planned so, the plan keeps what the run kept; at the block's cap, or
+    for other strategies, nothing changes."""
+    from predict import keep_budget_of_one_bucket
+
+    half_block = ["--strategy", "zero3", "--bucket-mb", "25", "--bucket-mb", "1.5"]
+    assert keep_budget_of_one_bucket(half_block, "gpt-small") == [
+        "--no-keep-last-block",
+        "--keep-gathered-mb",
+        "1.5",
+    ]
+    budget = [*half_block, "--keep-gathered-mb", "2.5"]
+    assert keep_budget_of_one_bucket(budget, "gpt-small")[-1] == "2.5"
+    for unchanged in (
+        ["--strategy", "zero3", "--bucket-mb", "4"],
+        ["--strategy", "zero3"],
+        ["--strategy", "zero2", "--bucket-mb", "1.5"],
+        [*half_block, "--no-keep-last-block"],
+    ):
+        assert keep_budget_of_one_bucket(unchanged, "gpt-small") == []
+
+
 def test_predict_prices_the_all_gathers_rate_where_a_run_measured_it():
     from predict import link_bits
 

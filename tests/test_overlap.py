@@ -11,6 +11,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from zppc.passes.zero import KEPT_GATHERED, PARAM_GATHER, find_collectives
 
 import zppc
+from zppc.config import block_bucket_bytes
 from zppc.cost import Compute, CostModel, Links
 from zppc.models import GPT, PRESETS
 
@@ -605,6 +606,62 @@ def test_zero3_keeps_the_last_block_gathered_into_the_backward(fake_rank):
     ]
     order = positions(record.final["backward"])
     assert computed_before and order[computed_before[0]] < order[first_wait]
+
+
+def gathered_bytes_alive(gm) -> int:
+    """The most gathered bytes a graph holds at once: each kept weight from
+    the start to its last read, each streamed gather's bucket from its issue
+    to its weights' last read (a resident one, the tied embedding across the
+    forward, left out as the bound leaves it out)."""
+    pos = positions(gm)
+    kept = [n for n in gm.graph.find_nodes(op="placeholder") if n.meta.get(KEPT_GATHERED)]
+    gathers = sorted(
+        (m for m in find_collectives(gm.graph) if m.wait.meta.get(PARAM_GATHER)),
+        key=lambda m: pos[m.issue],
+    )
+    lifetimes = [gathered_lifetime(m, pos) for m in gathers]
+    spans = [
+        (*lifetimes[k], gathers[k].wait.meta["val"])
+        for k in range(len(gathers))
+        if k + 1 == len(gathers) or lifetimes[k][1] <= lifetimes[k + 1][1]
+    ]
+    spans += [(0, last_read([w], pos), w.meta["val"]) for w in kept]
+    events = sorted(
+        [(start, v.numel() * v.element_size()) for start, _, v in spans]
+        + [(end + 0.5, -v.numel() * v.element_size()) for _, end, v in spans]
+    )
+    alive = peak = 0
+    for _, change in events:
+        alive += change
+        peak = max(peak, alive)
+    return peak
+
+
+@pytest.mark.parametrize("fake_rank", [1], indirect=True)
+def test_half_block_buckets_keep_the_whole_last_block_within_the_memory_bound(fake_rank):
+    """At prefetch 1 the backward's start holds two buckets re-gathering; so
+    half-block buckets keep what block-sized ones keep (no bytes re-gathered
+    for the smaller cap), and the kept weights count as the buckets they
+    replace: gathered bytes alive stay within (prefetch + 1) x the cap."""
+    with torch.device("meta"):
+        half = block_bucket_bytes(GPT(PRESETS["gpt-small"])) // 2
+    torch._dynamo.reset()
+    (block_sized,) = one_step("gpt-small").compiles
+    torch._dynamo.reset()
+    (halves,) = one_step("gpt-small", bucket_bytes=half).compiles
+    torch._dynamo.reset()
+    (one_half_kept,) = one_step("gpt-small", bucket_bytes=half, prefetch=0).compiles
+    assert halves.kept_gathered == block_sized.kept_gathered
+    assert sum(size for _, size in halves.kept_gathered) > half  # more than one bucket kept
+    assert gathered_elements(backward_gathers(halves)) == gathered_elements(
+        backward_gathers(block_sized)
+    )
+    assert sum(size for _, size in one_half_kept.kept_gathered) <= half
+    for record, prefetch in ((halves, 1), (one_half_kept, 0)):
+        for gm in record.final.values():
+            assert gathered_bytes_alive(gm) <= (prefetch + 1) * half
+    # The bound is used: the kept weights and the first gather overlap.
+    assert gathered_bytes_alive(halves.final["backward"]) > half
 
 
 def test_keep_gathered_is_checked():

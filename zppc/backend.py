@@ -270,7 +270,7 @@ def _compile_distributed(gm, example_inputs, config: Config, state: DistributedS
 
     def inner_compile(graph, inputs, **kw):
         if keep_overlap_order:
-            pin_gather_issues(graph, config.prefetch)
+            pin_gather_issues(graph, config.prefetch, dynamo.bucket_bytes)
         with (
             inductor_config.patch(**patches),
             torch.compiler.config.patch(cache_key_tag=cache_key_tag),

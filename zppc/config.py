@@ -186,12 +186,15 @@ class Config:
     """zero3 only (the other strategies keep every gathered weight): the
     weights the forward reads last, up to one repeated block's gathered bytes
     (the model's largest, as `bucket_bytes=None` measures it; no more than
-    `bucket_bytes`), stay gathered into the backward, which reads them first.
-    Re-gathered, they would be the backward's first collective, with nothing
-    computed before it to hide behind; kept, they cost no memory at the
-    backward's start, where they would be gathered again anyway, only through
-    the loss. FSDP2 keeps its root module's weights so, torchtitan its last
-    block. A weight read last that is larger than that budget (GPT-2's tied
+    `prefetch + 1` buckets of `bucket_bytes`), stay gathered into the
+    backward, which reads them first. Re-gathered, they would be the
+    backward's first collectives, with nothing computed before them to hide
+    behind; kept, they cost no memory at the backward's start, where
+    `prefetch + 1` buckets would be gathered again anyway (the `overlap` pass
+    counts them as those buckets), only through the loss. So half-block
+    buckets at prefetch 1 keep the whole block, as the default cap does,
+    with no more bytes re-gathered. FSDP2 keeps its root module's weights so,
+    torchtitan its last block. A weight read last that is larger than that budget (GPT-2's tied
     embedding, read by its output head) is re-gathered, and the last block's
     weights are kept all the same. A model without a repeated block keeps
     nothing by this (one bucket there can be the whole model).
