@@ -307,7 +307,7 @@ def main(argv=None) -> int:
     report["args"]["bucket_default"] = "block"
     # Runs recorded before Config.keep_last_block re-gathered every weight in backward.
     report["args"]["zero3_default_keeps"] = "last_block"
-    # Runs recorded before kept no more than one bucket of the last block, at any prefetch.
+    # Runs recorded before keep_last_block's budget was prefetch + 1 buckets kept one at most.
     report["args"]["zero3_keep_budget"] = "prefetch_buckets"
     # Runs recorded before Config.edge_buckets bucketed a graph's edges like the rest.
     report["args"]["edge_buckets"] = "on"

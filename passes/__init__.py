@@ -163,10 +163,9 @@ class PassContext:
     @property
     def kept_gathered_bytes(self) -> int:
         """Gathered bytes zero3 keeps from forward to backward:
-        `Config.keep_gathered_bytes`, or one repeated block's
-        (`Config.keep_last_block`) where that is larger, no more than the
-        `prefetch + 1` buckets the backward's start would hold re-gathering
-        them (one bucket at `prefetch=0`)."""
+        `Config.keep_gathered_bytes`, or where larger `Config.keep_last_block`'s
+        budget: one repeated block's bytes, no more than the `prefetch + 1`
+        buckets the backward's start would hold re-gathering them."""
         config = self.config
         if config.strategy != "zero3" or not config.keep_last_block or self.state is None:
             return config.keep_gathered_bytes

@@ -315,6 +315,8 @@ def pin_gather_issues(gm: fx.GraphModule, prefetch: int, bucket_bytes: int) -> N
     streamed = streamed_buckets(gm.graph, gathers, bucket_bytes, order)
     deps: dict[fx.Node, OrderedSet[fx.Node]] = {}
     for k in range(prefetch + 1, len(streamed)):
+        if streamed[k].gather is None:
+            continue  # kept weights: gathered in the forward
         issue = streamed[k].gather.issue
         derived, readers = _weight_readers(streamed[k - prefetch - 1].weights)
         # What the graph outputs from the weights alone (hpZ's secondary shard)

@@ -2,12 +2,15 @@
 group, one process): what is issued before what, where each wait sits, how
 many gathered buckets are alive, and that Inductor's code keeps that order."""
 
+import copy
 import re
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch import fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
+from zppc.passes.overlap import pin_gather_issues
 from zppc.passes.zero import KEPT_GATHERED, PARAM_GATHER, find_collectives
 
 import zppc
@@ -662,6 +665,33 @@ def test_half_block_buckets_keep_the_whole_last_block_within_the_memory_bound(fa
             assert gathered_bytes_alive(gm) <= (prefetch + 1) * half
     # The bound is used: the kept weights and the first gather overlap.
     assert gathered_bytes_alive(halves.final["backward"]) > half
+
+
+@pytest.mark.parametrize("fake_rank", [1], indirect=True)
+def test_a_kept_set_of_many_buckets_streams_and_pins_under_inductor(fake_rank):
+    """A `keep_gathered_bytes` budget of several buckets is that many kept
+    buckets: the backward's first gather waits for the kept weights
+    `prefetch + 1` buckets back to die, and `pin_gather_issues` (Inductor's
+    form of the bound) pins it on their readers, skipping the kept ones."""
+    cap = 2**19
+    torch._dynamo.reset()
+    (record,) = one_step("gpt-small", bucket_bytes=cap, keep_gathered_bytes=6 * cap).compiles
+    backward = record.final["backward"]
+    kept = [n for n in backward.graph.find_nodes(op="placeholder") if n.meta.get(KEPT_GATHERED)]
+    assert sum(n.meta["val"].numel() * 4 for n in kept) > 2 * cap  # at least three buckets
+    pos = positions(backward)
+    first_gather = min(
+        (m for m in find_collectives(backward.graph) if m.wait.meta.get(PARAM_GATHER)),
+        key=lambda m: pos[m.issue],
+    )
+    # At prefetch 1 it is issued once at most one bucket of kept weights is
+    # alive (a weight larger than the cap is a bucket alone).
+    alive = [w for w in kept if last_read([w], pos) > pos[first_gather.issue]]
+    assert len(alive) == 1 or 0 < sum(w.meta["val"].numel() * 4 for w in alive) <= cap
+    pinned = fx.GraphModule(backward, copy.deepcopy(backward.graph))
+    pin_gather_issues(pinned, prefetch=1, bucket_bytes=cap)
+    deps = [n for n in pinned.graph.nodes if n.target is torch.ops.higher_order.control_deps]
+    assert deps
 
 
 def test_keep_gathered_is_checked():

@@ -194,12 +194,12 @@ class Config:
     counts them as those buckets), only through the loss. So half-block
     buckets at prefetch 1 keep the whole block, as the default cap does,
     with no more bytes re-gathered. FSDP2 keeps its root module's weights so,
-    torchtitan its last block. A weight read last that is larger than that budget (GPT-2's tied
-    embedding, read by its output head) is re-gathered, and the last block's
-    weights are kept all the same. A model without a repeated block keeps
-    nothing by this (one bucket there can be the whole model).
-    `keep_gathered_bytes` applies instead where it is larger; `zppc.inspect`
-    states what was kept. False re-gathers them."""
+    torchtitan its last block. A weight read last that is larger than that
+    budget (GPT-2's tied embedding, read by its output head) is re-gathered,
+    and the last block's weights are kept all the same. A model without a
+    repeated block keeps nothing by this (one bucket there can be the whole
+    model). `keep_gathered_bytes` applies instead where it is larger;
+    `zppc.inspect` states what was kept. False re-gathers them."""
 
     reduce_scatter: str = "auto"
     """How a gradient reduce-scatter (zero2/zero3, not qgZ's hops) runs:
