@@ -79,8 +79,14 @@ def matmul_positions(gm, pos):
     return sorted(pos[n] for n in gm.graph.nodes if n.target in MATMULS)
 
 
-def most_alive(intervals) -> int:
-    events = sorted([(a, 1) for a, _ in intervals] + [(b, -1) for _, b in intervals])
+def most_alive(intervals, sizes=None) -> int:
+    """The most of the (start, end) `intervals` open at once; with `sizes`,
+    the largest sum of the sizes of those open at once."""
+    sizes = sizes or [1] * len(intervals)
+    events = sorted(
+        [(a, size) for (a, _), size in zip(intervals, sizes, strict=True)]
+        + [(b, -size) for (_, b), size in zip(intervals, sizes, strict=True)]
+    )
     alive = peak = 0
     for _, step in events:
         alive += step
@@ -629,15 +635,9 @@ def gathered_bytes_alive(gm) -> int:
         if k + 1 == len(gathers) or lifetimes[k][1] <= lifetimes[k + 1][1]
     ]
     spans += [(0, last_read([w], pos), w.meta["val"]) for w in kept]
-    events = sorted(
-        [(start, v.numel() * v.element_size()) for start, _, v in spans]
-        + [(end + 0.5, -v.numel() * v.element_size()) for _, end, v in spans]
+    return most_alive(
+        [(a, b) for a, b, _ in spans], [v.numel() * v.element_size() for *_, v in spans]
     )
-    alive = peak = 0
-    for _, change in events:
-        alive += change
-        peak = max(peak, alive)
-    return peak
 
 
 @pytest.mark.parametrize("fake_rank", [1], indirect=True)
